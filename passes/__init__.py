@@ -1,0 +1,12 @@
+"""The pipeline's passes, one per module; importing this package registers them all."""
+
+from qwen2om.passes import (  # noqa: F401  (imported for registration)
+    check_outputs,
+    check_weights,
+    export_onnx,
+    legalize_ort,
+    load_checkpoint,
+    package,
+    static_model,
+    write_onnx,
+)

@@ -1,0 +1,75 @@
+"""Export the static model with torch.onnx (dynamo) once per call shape: decode and prefill."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from typing import ClassVar
+
+import torch
+
+from qwen2om.errors import Qwen2omError
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.signature import IOSpec, graph_io
+
+NP_TO_TORCH = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16}
+NP_DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+
+def call_shapes(recipe: object) -> dict[str, int]:
+    """Graph kind → T. One graph when the prefill chunk is a single token."""
+    c = int(recipe.prefill_chunk)  # type: ignore[attr-defined]
+    return {"decode": 1} if c == 1 else {"decode": 1, "prefill": c}
+
+
+def example_args(inputs: list[IOSpec]) -> tuple[object, ...]:
+    tensors = [torch.zeros(s.shape, dtype=NP_TO_TORCH[s.dtype]) for s in inputs]
+    return (*tensors[:3], tuple(tensors[3:]))
+
+
+@contextlib.contextmanager
+def quiet_exporter():  # type: ignore[no-untyped-def]
+    """torch's exporter prints progress and warnings meant for its own developers; keep ours readable."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        level = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.getLogger("torch").setLevel(level)
+
+
+@register
+class ExportOnnx:
+    """torch.onnx.export(dynamo=True) of the static model, one graph per call shape."""
+
+    name: ClassVar[str] = "export_onnx"
+    requires: ClassVar[tuple[str, ...]] = ("static_model", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("graphs", "signatures")
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        model, ckpt, r = ws.need("static_model"), ws.need("checkpoint"), ctx.recipe
+        graphs, sigs = {}, {}
+        shapes = call_shapes(r)
+        for n, (kind, t) in enumerate(shapes.items()):
+            ctx.progress(f"exporting {kind} graph (T={t})", n, len(shapes))
+            logits_t = 1 if (t == 1 or r.logits == "last") else t
+            inputs, outputs = graph_io(ckpt.dims, batch=r.batch_size, t=t, capacity=int(r.max_seq_len),
+                                       dtype=NP_DTYPES[r.dtype], logits_t=logits_t)
+            try:
+                with quiet_exporter(), torch.no_grad():
+                    program = torch.onnx.export(
+                        model, example_args(inputs), dynamo=True, opset_version=r.opset,
+                        input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
+                        optimize=True, verify=False,
+                    )
+            except Exception as e:  # the exporter's own errors are long; keep the first line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e
+            graphs[kind], sigs[kind] = program.model, (inputs, outputs)
+            ctx.progress(f"exporting {kind} graph (T={t})", n + 1, len(shapes))
+        ws["graphs"], ws["signatures"] = graphs, sigs
+        return PassResult(True, {f"{k}_nodes": len(list(g.graph)) for k, g in graphs.items()})

@@ -1,0 +1,31 @@
+"""Open the checkpoint lazily and check its layout against the config (no weights read)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from qwen2om.checkpoint import Checkpoint
+from qwen2om.errors import RecipeError
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+
+
+@register
+class LoadCheckpoint:
+    """Open the checkpoint, resolve its architecture, check every tensor's name and shape."""
+
+    name: ClassVar[str] = "load_checkpoint"
+    requires: ClassVar[tuple[str, ...]] = ()
+    produces: ClassVar[tuple[str, ...]] = ("checkpoint",)
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        ckpt = Checkpoint(ctx.source)
+        if ctx.recipe.family != ckpt.arch.name:
+            raise RecipeError(
+                f"recipe {ctx.recipe.name or '?'} is for family {ctx.recipe.family!r}, "
+                f"but {ctx.source} is {ckpt.arch.name!r}"
+            )
+        expected = ckpt.validate_layout()
+        ws["checkpoint"] = ckpt
+        extra = len(set(ckpt.names()) - set(expected))
+        return PassResult(True, {"arch": ckpt.arch.name, "tensors": len(expected), "ignored_tensors": extra,
+                                 "shards": len({p for p in ckpt.files if p.suffix == ".safetensors"})})

@@ -1,0 +1,58 @@
+"""Copy what the runtime needs next to the graphs: tokenizer, configs, run.py, a graph summary."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import ClassVar
+
+from qwen2om.errors import CheckpointError
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def graph_summary(kind: str, model: object) -> str:
+    """A compact, diffable text summary: I/O and op histogram."""
+    g = model.graph  # type: ignore[attr-defined]
+    lines = [f"# {kind}: {len(list(g))} nodes, opset {model.opset_imports.get('', '?')}, "  # type: ignore[attr-defined]
+             f"IR {model.ir_version}"]  # type: ignore[attr-defined]
+    for v in g.inputs:
+        lines.append(f"input  {v.name} {v.dtype} {list(v.shape)}")
+    for v in g.outputs:
+        lines.append(f"output {v.name} {v.dtype} {list(v.shape)}")
+    for op, n in sorted(Counter(n.op_type for n in g).items()):
+        lines.append(f"op     {op} {n}")
+    return "\n".join(lines) + "\n"
+
+
+@register
+class Package:
+    """Write tokenizer and config files, the standalone run.py, and graphs/summary.txt."""
+
+    name: ClassVar[str] = "package"
+    requires: ClassVar[tuple[str, ...]] = ("checkpoint", "onnx_files")
+    produces: ClassVar[tuple[str, ...]] = ("package_files",)
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        ckpt, stage = ws.need("checkpoint"), ctx.stage_dir
+        if not (ckpt.root / "tokenizer.json").is_file():
+            raise CheckpointError(f"{ckpt.root}: no tokenizer.json; the runtime needs it to encode prompts")
+        written: list[Path] = []
+        for name in (*TOKENIZER_FILES, *CONFIG_FILES):
+            if (ckpt.root / name).is_file():
+                shutil.copyfile(ckpt.root / name, stage / name)
+                written.append(stage / name)
+        from qwen2om.runtime import standalone
+
+        run_py = stage / "run.py"
+        shutil.copyfile(standalone.__file__, run_py)
+        run_py.chmod(0o755)
+        (stage / "graphs").mkdir(exist_ok=True)
+        summary = stage / "graphs" / "summary.txt"
+        summary.write_text("".join(graph_summary(k, m) for k, m in ws.need("graphs").items()))
+        written += [run_py, summary]
+        ws["package_files"] = written
+        return PassResult(True, {"files": len(written)})

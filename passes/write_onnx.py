@@ -1,0 +1,82 @@
+"""Write the graphs with one shared external-data file, each weight stored once.
+
+The decode and prefill graphs hold the same weights; every initializer at or above
+`inline_limit` bytes goes into `model.onnx.data` once (keyed by name and content hash) and both
+graphs point at the same offset. Offsets are 4 KiB-aligned so runtimes can memory-map them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import BinaryIO, ClassVar
+
+import onnx
+import onnx_ir as ir
+
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+
+DATA_FILE = "model.onnx.data"
+ALIGN = 4096
+
+
+def graph_file(kind: str) -> str:
+    return f"model.{kind}.onnx"
+
+
+class SharedData:
+    """Append-only external data file with content-addressed de-duplication."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh, self.offset = fh, 0
+        self.index: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def put(self, name: str, data: bytes) -> tuple[int, int, bool]:
+        key = (name, hashlib.sha256(data).hexdigest())
+        if key in self.index:
+            return (*self.index[key], False)
+        pad = -self.offset % ALIGN
+        self.fh.write(b"\0" * pad)
+        self.offset += pad
+        self.fh.write(data)
+        self.index[key] = (self.offset, len(data))
+        self.offset += len(data)
+        return self.offset - len(data), len(data), True
+
+
+@register
+class WriteOnnx:
+    """Save model.<kind>.onnx files and the shared model.onnx.data into the staging directory."""
+
+    name: ClassVar[str] = "write_onnx"
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs")
+    produces: ClassVar[tuple[str, ...]] = ("onnx_files",)
+
+    def __init__(self, inline_limit: int = 1024) -> None:
+        self.inline_limit = inline_limit
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        stage: Path = ctx.stage_dir
+        files: dict[str, Path] = {}
+        stored = shared = 0
+        with open(stage / DATA_FILE, "wb") as fh:
+            data = SharedData(fh)
+            for kind, model in ws.need("graphs").items():
+                for init in model.graph.initializers.values():
+                    tensor = init.const_value
+                    if tensor is None or tensor.nbytes < self.inline_limit:
+                        continue
+                    offset, length, new = data.put(init.name, tensor.tobytes())
+                    stored, shared = stored + new, shared + (not new)
+                    init.const_value = ir.ExternalTensor(
+                        DATA_FILE, offset, length, tensor.dtype, shape=tensor.shape, name=init.name,
+                        base_dir=stage,
+                    )
+                proto = ir.to_proto(model)
+                path = stage / graph_file(kind)
+                onnx.save_model(proto, path)
+                files[kind] = path
+        files["data"] = stage / DATA_FILE
+        ws["onnx_files"] = files
+        return PassResult(True, {"external_tensors": stored, "shared_between_graphs": shared,
+                                 "data_bytes": data.offset})

@@ -1,0 +1,149 @@
+"""Architecture facts as data: what each supported Hugging Face Qwen family looks like.
+
+An :class:`ArchSpec` says which tensors a checkpoint of that family holds and how the static
+model treats them; :class:`ModelDims` carries the sizes read from one checkpoint's config.
+Qwen3 is Qwen2 with the QKV bias dropped and a per-head RMSNorm on q and k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from qwen2om.errors import CheckpointError
+from qwen2om.registry import Registry
+
+# Tensors that always stay floating point, whatever the precision recipe says (norms, RoPE
+# tables, router gates, embeddings): quantising them turns the output into repeated garbage.
+KEEP_FLOAT = (
+    r".*norm\.weight$",
+    r".*rotary_emb\.inv_freq$",
+    r".*rope\.(cos|sin)$",
+    r".*mlp\.gate\.weight$",
+    r"^model\.embed_tokens\.weight$",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """Facts the passes need about one Hugging Face architecture."""
+
+    name: str
+    model_types: tuple[str, ...]
+    hf_architectures: tuple[str, ...]
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    keep_float: tuple[str, ...] = KEEP_FLOAT
+    # The demo/test model that `builtin:` builds for this family.
+    builtin: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """Sizes of one checkpoint, read from its config.json."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rms_eps: float
+    tied: bool
+    max_positions: int
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelDims:
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise CheckpointError(f"{source}: missing required key {key!r}")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        if cfg.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: use_sliding_window=true is not supported yet")
+        return cls(
+            hidden=hidden,
+            layers=int(need("num_hidden_layers")),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(need("intermediate_size")),
+            vocab=int(need("vocab_size")),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=int(cfg.get("max_position_embeddings", 32768)),
+        )
+
+
+def expected_tensors(arch: ArchSpec, d: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this architecture must hold, with its shape (HF layout)."""
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    for i in range(d.layers):
+        p = f"model.layers.{i}"
+        out |= {
+            f"{p}.input_layernorm.weight": (d.hidden,),
+            f"{p}.post_attention_layernorm.weight": (d.hidden,),
+            f"{p}.self_attn.q_proj.weight": (q, d.hidden),
+            f"{p}.self_attn.k_proj.weight": (kv, d.hidden),
+            f"{p}.self_attn.v_proj.weight": (kv, d.hidden),
+            f"{p}.self_attn.o_proj.weight": (d.hidden, q),
+            f"{p}.mlp.gate_proj.weight": (d.intermediate, d.hidden),
+            f"{p}.mlp.up_proj.weight": (d.intermediate, d.hidden),
+            f"{p}.mlp.down_proj.weight": (d.hidden, d.intermediate),
+        }
+        if arch.qkv_bias:
+            out |= {
+                f"{p}.self_attn.q_proj.bias": (q,),
+                f"{p}.self_attn.k_proj.bias": (kv,),
+                f"{p}.self_attn.v_proj.bias": (kv,),
+            }
+        if arch.qk_norm:
+            out |= {f"{p}.self_attn.q_norm.weight": (d.head_dim,), f"{p}.self_attn.k_norm.weight": (d.head_dim,)}
+    out["model.norm.weight"] = (d.hidden,)
+    if not d.tied:
+        out["lm_head.weight"] = (d.vocab, d.hidden)
+    return out
+
+
+ARCHS: Registry[ArchSpec] = Registry("architecture")
+
+QWEN2 = ARCHS.add(
+    ArchSpec("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qkv_bias=True, builtin="tiny-qwen2")
+)
+# Qwen3 drops the QKV bias and normalises q/k per head; everything else carries over.
+QWEN3 = ARCHS.add(
+    dataclasses.replace(
+        QWEN2, name="qwen3", model_types=("qwen3",), hf_architectures=("Qwen3ForCausalLM",),
+        qkv_bias=False, qk_norm=True, builtin="tiny-qwen3",
+    )
+)
+
+
+def resolve_arch(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
+    """The registered architecture for a config, or an error listing the supported ones."""
+    model_type = cfg.get("model_type")
+    for arch in ARCHS:
+        if model_type in arch.model_types:
+            declared = cfg.get("architectures") or list(arch.hf_architectures)
+            if not set(declared) & set(arch.hf_architectures):
+                raise CheckpointError(
+                    f"{source}: architectures {declared} are not supported for model_type {model_type!r} "
+                    f"(supported: {', '.join(arch.hf_architectures)})"
+                )
+            return arch
+    supported = ", ".join(t for a in ARCHS for t in a.model_types)
+    if model_type is None:
+        raise CheckpointError(f"{source}: no 'model_type' key (supported model types: {supported})")
+    raise CheckpointError(f"{source}: unsupported model_type {model_type!r} (supported: {supported})")

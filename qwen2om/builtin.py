@@ -1,0 +1,39 @@
+"""`builtin:NAME` models: tiny checkpoints built offline on first use and cached."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qwen2om.errors import Qwen2omError
+
+PREFIX = "builtin:"
+# Bump when the fixtures change, so stale caches are rebuilt rather than reused.
+FIXTURE_VERSION = "1"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("QWEN2OM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "qwen2om"
+
+
+def builtin_names() -> list[str]:
+    from qwen2om.fixtures.tiny import TINY
+
+    return list(TINY)
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A checkpoint directory for `model`: a path as given, or a built (cached) builtin."""
+    text = str(model)
+    if not text.startswith(PREFIX):
+        return Path(text)
+    name = text[len(PREFIX):]
+    from qwen2om.fixtures.tiny import TINY, write_tiny_checkpoint
+
+    if name not in TINY:
+        raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(TINY)})")
+    dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
+    if not (dest / "config.json").is_file():
+        write_tiny_checkpoint(name, dest)
+    return dest

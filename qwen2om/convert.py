@@ -1,0 +1,99 @@
+"""`convert`: a checkpoint into a static-shape output directory, as one library call."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import qwen2om.passes  # noqa: F401  (registers the passes)
+from qwen2om.arch import ModelDims, resolve_arch
+from qwen2om.builtin import resolve_model
+from qwen2om.checkpoint import read_json
+from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
+from qwen2om.passes.write_onnx import graph_file
+from qwen2om.pipeline import RunContext, StepReport, Workspace, run_pipeline
+from qwen2om.recipe import Recipe, apply_overrides, load_recipe
+
+LAYOUT = {
+    "kv_cache": "BNSD: [batch, kv_heads, capacity, head_dim]; outputs hold the T new tokens only",
+    "linear_weights": "stored transposed, [in_features, out_features], names as in the checkpoint",
+    "tied_embeddings": "one [hidden, vocab] table: Gather(axis=1) for the embedding, MatMul for lm_head",
+    "rope": "cos/sin float32 tables [capacity, head_dim] gathered by position_ids",
+    "attention_mask": "additive, compute dtype, 0 = visible, finfo(dtype).min = hidden; columns = P cache + T new",
+}
+
+
+@dataclasses.dataclass
+class ConvertResult:
+    out: Path
+    recipe: Recipe
+    steps: list[StepReport]
+    manifest: dict[str, Any]
+
+
+def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tuple[Recipe, ModelDims]:
+    """The recipe for this checkpoint: named/file, or `<family>-<dtype>`; overrides; autos resolved."""
+    cfg_path = source / "config.json"
+    cfg = read_json(cfg_path, "config.json")
+    arch = resolve_arch(cfg, str(cfg_path))
+    dims = ModelDims.from_config(cfg, str(cfg_path))
+    if recipe is None:
+        dtype = next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith("dtype=")), "fp32")
+        recipe = f"{arch.name}-{dtype}"
+    r = apply_overrides(load_recipe(recipe), overrides)
+    return r.resolved(dims.max_positions), dims
+
+
+def convert(
+    model: str | Path, out: Path, *, recipe: str | None = None, overrides: list[str] | None = None,
+    force: bool = False, progress: Callable[[str, int, int], None] = lambda *a: None,
+    log: Callable[[str], None] = lambda m: None, on_step: Callable[[StepReport], None] = lambda r: None,
+) -> ConvertResult:
+    source = resolve_model(model)
+    r, dims = choose_recipe(source, recipe, list(overrides or []))
+    tools = tool_versions()
+    with staged_output(Path(out), force=force) as stage:
+        ctx = RunContext(recipe=r, stage_dir=stage, source=source, tool_version=tools["qwen2om"],
+                         progress=progress, log=log)
+        ws = Workspace()
+        steps = run_pipeline(r.pipeline, ws, ctx, on_step)
+        manifest = build_manifest(str(model), source, r, dims, ws, steps, tools)
+        write_manifest(stage, manifest)
+    return ConvertResult(Path(out), r, steps, manifest)
+
+
+def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
+                   steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
+    ckpt = ws.need("checkpoint")
+    graphs = {
+        kind: {"file": graph_file(kind), "tokens": inputs[0].shape[1],
+               "inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
+        for kind, (inputs, outputs) in ws.need("signatures").items()
+    }
+    gen = ckpt.config
+    gen_path = source / "generation_config.json"
+    if gen_path.is_file():
+        gen = {**gen, **read_json(gen_path, "generation_config.json")}
+    eos = gen.get("eos_token_id")
+    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
+    pad = gen.get("pad_token_id")
+    return {
+        "format_version": FORMAT_VERSION,
+        "tools": tools,
+        "source": {"model": model, "path": str(source), "files": file_entries(source, ckpt.files)},
+        "architecture": ckpt.arch.name,
+        "dims": dataclasses.asdict(dims),
+        "recipe": r.to_dict(),
+        "stages": [{"pass": s.name, "seconds": round(s.seconds, 3), "modified": s.modified, "stats": s.stats}
+                   for s in steps],
+        "graphs": graphs,
+        "layout": LAYOUT,
+        "runtime": {
+            "capacity": int(r.max_seq_len), "batch": r.batch_size, "vocab": dims.vocab,
+            "dtype": {"fp32": "float32", "fp16": "float16"}[r.dtype], "layers": dims.layers,
+            "eos_token_ids": eos_ids, "pad_token_id": int(pad if pad is not None else (eos_ids or [0])[0]),
+            "chat_format": "chatml",
+        },
+    }

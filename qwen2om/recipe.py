@@ -1,0 +1,169 @@
+"""Strict YAML recipes: the pipeline and its parameters, with `--set key=value` overrides.
+
+A recipe is a flat set of parameters plus an ordered `pipeline:` of pass names (each optionally
+with arguments). Unknown keys are rejected with the valid ones listed; command-line flags are
+sugar over the same fields, and the resolved recipe goes into the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qwen2om.errors import RecipeError
+
+AUTO = "auto"
+DTYPES = ("fp32", "fp16")
+TARGETS = ("ort",)
+LOGITS = ("last", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Everything that decides what `convert` produces."""
+
+    family: str
+    pipeline: tuple[tuple[str, dict[str, Any]], ...]
+    dtype: str = "fp32"
+    target: str = "ort"
+    max_seq_len: int | str = AUTO  # cache capacity P; auto = 2048 or the model's limit if smaller
+    prefill_chunk: int | str = AUTO  # T of the prefill graph; auto = 128 or max_seq_len if smaller
+    batch_size: int = 1
+    logits: str = "last"  # prefill graph returns logits for the last token only, or all T
+    opset: int = 18
+    ir_version: int = 8
+    name: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["pipeline"] = [{n: a} if a else n for n, a in self.pipeline]
+        return d
+
+    def resolved(self, max_positions: int) -> Recipe:
+        """Fill the `auto` fields from the model's limits and check every value."""
+        p = min(2048, max_positions) if self.max_seq_len == AUTO else int(self.max_seq_len)
+        if p > max_positions:
+            raise RecipeError(f"max_seq_len={p} exceeds the model's max_position_embeddings={max_positions}")
+        c = min(128, p) if self.prefill_chunk == AUTO else int(self.prefill_chunk)
+        r = dataclasses.replace(self, max_seq_len=p, prefill_chunk=c)
+        r.check()
+        return r
+
+    def check(self) -> None:
+        def one_of(field: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, field) not in allowed:
+                raise RecipeError(f"{field}={getattr(self, field)!r} is not one of {', '.join(allowed)}")
+
+        one_of("dtype", DTYPES)
+        one_of("target", TARGETS)
+        one_of("logits", LOGITS)
+        for field in ("max_seq_len", "prefill_chunk", "batch_size"):
+            v = getattr(self, field)
+            if v != AUTO and (not isinstance(v, int) or v < 1):
+                raise RecipeError(f"{field}={v!r} must be a positive integer or 'auto'")
+        if isinstance(self.max_seq_len, int) and isinstance(self.prefill_chunk, int):
+            if self.prefill_chunk > self.max_seq_len:
+                raise RecipeError(f"prefill_chunk={self.prefill_chunk} exceeds max_seq_len={self.max_seq_len}")
+        if self.opset > 18:
+            raise RecipeError(f"opset={self.opset}: the targets take ai.onnx opset 18 at most")
+        import qwen2om.passes  # noqa: F401  (registers the passes)
+        from qwen2om.pipeline import PASSES, check_plan
+
+        for name, _ in self.pipeline:
+            PASSES.get(name)
+        check_plan([n for n, _ in self.pipeline])
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+
+
+def _pipeline(value: Any, where: str) -> tuple[tuple[str, dict[str, Any]], ...]:
+    if not isinstance(value, list) or not value:
+        raise RecipeError(f"{where}: 'pipeline' must be a non-empty list of pass names")
+    steps = []
+    for item in value:
+        if isinstance(item, str):
+            steps.append((item, {}))
+        elif isinstance(item, dict) and len(item) == 1:
+            (name, args), = item.items()
+            if args is not None and not isinstance(args, dict):
+                raise RecipeError(f"{where}: arguments of pass {name!r} must be a mapping")
+            steps.append((str(name), dict(args or {})))
+        else:
+            raise RecipeError(f"{where}: pipeline entry {item!r} must be a pass name or {{name: {{args}}}}")
+    return tuple(steps)
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    if key == "pipeline":
+        return _pipeline(value, where)
+    default = FIELDS[key].default
+    if value == AUTO and key in ("max_seq_len", "prefill_chunk"):
+        return AUTO
+    want = int if isinstance(default, int) or default == AUTO else type(default)
+    if want is int:
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise RecipeError(f"{where}: {key}={value!r} must be an integer") from None
+    return str(value)
+
+
+def from_mapping(data: Any, where: str) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: a recipe must be a YAML mapping")
+    if unknown := sorted(set(data) - set(FIELDS)):
+        raise RecipeError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(FIELDS)})")
+    for key in ("family", "pipeline"):
+        if key not in data:
+            raise RecipeError(f"{where}: missing required key {key!r}")
+    values = {k: _coerce(k, v, where) for k, v in data.items()}
+    recipe = Recipe(**values)
+    recipe.check()
+    return recipe
+
+
+def bundled_recipes() -> list[str]:
+    root = importlib.resources.files("qwen2om.recipes")
+    return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A bundled recipe by name (`qwen3-fp32`) or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"{path}: recipe file not found")
+        text, where = path.read_text(encoding="utf-8"), str(path)
+    else:
+        res = importlib.resources.files("qwen2om.recipes") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise RecipeError(f"unknown recipe {name_or_path!r} (bundled: {', '.join(bundled_recipes())})")
+        text, where = res.read_text(encoding="utf-8"), f"recipes/{name_or_path}.yaml"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{where}: invalid YAML ({e})") from None
+    recipe = from_mapping(data, where)
+    return dataclasses.replace(recipe, name=recipe.name or Path(where).stem)
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """`key=value` strings applied on top of a recipe, strictly."""
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise RecipeError(f"--set {item!r}: expected key=value")
+        if key not in FIELDS or key == "pipeline":
+            valid = ", ".join(k for k in FIELDS if k != "pipeline")
+            raise RecipeError(f"--set {item!r}: unknown key {key!r} (valid: {valid})")
+        changes[key] = _coerce(key, value.strip(), f"--set {item}")
+    recipe = dataclasses.replace(recipe, **changes)
+    recipe.check()
+    return recipe

@@ -1,0 +1,168 @@
+"""The static-shape Qwen forward that gets exported (dense Qwen2 / Qwen3).
+
+Signature (DESIGN.md): input_ids int64 [B,T], additive attention_mask [B,1,T,P+T] in the
+compute dtype, position_ids int64 [B,T], and per layer past_key / past_value [B,Nkv,P,D]
+(BNSD). Outputs: logits (float32; all T or the last), and the K/V of the T new tokens only.
+
+Two choices keep decode fast on a runtime that cannot alias buffers:
+- attention scores against the cache and against the new tokens are computed separately and
+  only the small score rows are concatenated, so the [P]-long cache is never copied per step;
+- linear weights are stored transposed ([in, out]) so the graph has no Transpose of a weight
+  at run time; with tied embeddings the single [hidden, vocab] table serves both the
+  embedding Gather (along axis 1) and the LM head, so it is stored once.
+Parameter names stay the Hugging Face ones so graph initializers read like the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from qwen2om.arch import ArchSpec, ModelDims
+
+
+class Linear(nn.Module):
+    """y = x @ W (+ b) with W stored [in, out]."""
+
+    def __init__(self, w_t: torch.Tensor, b: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(w_t, requires_grad=False)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    """Qwen RMSNorm: statistics in float32, scale applied in the compute dtype (as transformers)."""
+
+    def __init__(self, w: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+        super().__init__()
+        self.d = d
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, proj, Linear(get(f"{p}.{proj}.weight").T.contiguous(), get(f"{p}.{proj}.bias")))
+        self.q_norm = RMSNorm(get(f"{p}.q_norm.weight"), d.rms_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(get(f"{p}.k_norm.weight"), d.rms_eps) if arch.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+        past_k: torch.Tensor, past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.d
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, d.heads, d.head_dim)
+        k = self.k_proj(x).view(b, t, d.kv_heads, d.head_dim)
+        v = self.v_proj(x).view(b, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, N, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # GQA without repeating K/V: query head h reads kv head h // groups, so fold the
+        # groups into the row axis: [B, Nkv, G*T, D].
+        q = q.reshape(b, d.kv_heads, d.groups * t, d.head_dim) * (d.head_dim ** -0.5)
+        p_len = past_k.shape[2]
+        scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)), torch.matmul(q, k.transpose(2, 3))), dim=-1)
+        scores = scores.view(b, d.kv_heads, d.groups, t, p_len + t).float() + mask.float().unsqueeze(1)
+        probs = torch.softmax(scores, dim=-1).to(x.dtype).view(b, d.kv_heads, d.groups * t, p_len + t)
+        out = torch.matmul(probs[..., :p_len], past_v) + torch.matmul(probs[..., p_len:], v)
+        out = out.view(b, d.heads, t, d.head_dim).transpose(1, 2).reshape(b, t, d.heads * d.head_dim)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+        super().__init__()
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, proj, Linear(get(f"{p}.{proj}.weight").T.contiguous(), None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(get(f"{p}.input_layernorm.weight"), d.rms_eps)
+        self.self_attn = Attention(arch, d, get, f"{p}.self_attn")
+        self.post_attention_layernorm = RMSNorm(get(f"{p}.post_attention_layernorm.weight"), d.rms_eps)
+        self.mlp = MLP(get, f"{p}.mlp")
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):  # type: ignore[no-untyped-def]
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class Body(nn.Module):
+    """`model.*` of the Hugging Face layout."""
+
+    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(arch, d, get, f"model.layers.{i}") for i in range(d.layers))
+        self.norm = RMSNorm(get("model.norm.weight"), d.rms_eps)
+
+
+class StaticQwen(nn.Module):
+    """Dense Qwen2/Qwen3 with the static forward signature; weights in the compute dtype."""
+
+    def __init__(
+        self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None],
+        cos: torch.Tensor, sin: torch.Tensor, *, logits_last: bool,
+    ) -> None:
+        super().__init__()
+        self.d, self.logits_last = d, logits_last
+        self.model = Body(arch, d, get)
+        embed = get("model.embed_tokens.weight")
+        if d.tied:
+            # One [hidden, vocab] table: Gather along axis 1 for the embedding, MatMul for the head.
+            self.lm_head = Linear(embed.T.contiguous(), None)
+            self.embed_tokens = None
+        else:
+            self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+            self.lm_head = Linear(get("lm_head.weight").T.contiguous(), None)
+        # RoPE tables stay float32 constants whatever the compute dtype (see rope.py).
+        self.register_buffer("rope_cos", cos, persistent=True)
+        self.register_buffer("rope_sin", sin, persistent=True)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        if self.embed_tokens is not None:
+            return self.embed_tokens[ids]
+        return self.lm_head.weight.index_select(1, ids.reshape(-1)).T.reshape(b, t, self.d.hidden)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+        past: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, ...]:
+        x = self.embed(input_ids)
+        cos = nn.functional.embedding(position_ids, self.rope_cos).to(x.dtype).unsqueeze(1)  # [B, 1, T, D]
+        sin = nn.functional.embedding(position_ids, self.rope_sin).to(x.dtype).unsqueeze(1)
+        new_kv: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
+            new_kv += [k, v]
+        if self.logits_last:
+            x = x[:, -1:, :]
+        logits = self.lm_head(self.model.norm(x)).float()
+        return (logits, *new_kv)

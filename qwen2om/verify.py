@@ -1,0 +1,120 @@
+"""`verify`: the compiled model against Hugging Face transformers, token by token.
+
+The reference (transformers, float32, eager attention) generates greedily; the compiled model is
+then fed the same tokens (teacher forcing), so one early disagreement cannot cascade and every
+step's logits are compared like for like. A step agrees when the compiled argmax equals the
+reference's greedy token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qwen2om.builtin import resolve_model
+from qwen2om.output import read_manifest
+from qwen2om.runtime.standalone import Engine
+
+DEFAULT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. In the beginning",
+    "人工智能正在改变世界，",
+)
+LONG_SEED = ("def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+             "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n")
+# Tolerances per compute dtype (issue 2): fp32 is exact to float rounding; fp16 by top-1 agreement.
+TOLERANCES = {"float32": {"max_abs": 1e-4, "agreement": 1.0}, "float16": {"max_abs": None, "agreement": 0.99}}
+
+
+@dataclasses.dataclass
+class PromptResult:
+    prompt: str
+    prompt_tokens: int
+    steps: int
+    max_abs: float
+    agree: int
+    first_disagreement: int | None
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / self.steps if self.steps else 1.0
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    dtype: str
+    tolerance: dict[str, Any]
+    prompts: list[PromptResult]
+
+    @property
+    def max_abs(self) -> float:
+        return max(p.max_abs for p in self.prompts)
+
+    @property
+    def agreement(self) -> float:
+        steps = sum(p.steps for p in self.prompts)
+        return sum(p.agree for p in self.prompts) / steps if steps else 1.0
+
+    @property
+    def passed(self) -> bool:
+        limit = self.tolerance["max_abs"]
+        return (limit is None or self.max_abs <= limit) and self.agreement >= self.tolerance["agreement"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "tolerance": self.tolerance, "passed": self.passed,
+                "max_abs_logits": self.max_abs, "top1_agreement": self.agreement,
+                "prompts": [dataclasses.asdict(p) | {"agreement": p.agreement} for p in self.prompts]}
+
+
+def long_prompt(engine: Engine, tokens: int) -> str:
+    """Code text just over `tokens` tokens long (to span more than one prefill chunk)."""
+    text = LONG_SEED
+    while len(engine.encode(text)) <= tokens:
+        text += LONG_SEED
+    return text
+
+
+def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens and the raw logits of every step (EOS suppressed: n steps)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, torch.stack(out.logits, 1)[0].float().numpy()
+
+
+def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[str] | None = None,
+           progress: Any = lambda *a: None) -> VerifyReport:
+    import transformers
+
+    manifest = read_manifest(out)
+    engine = Engine(out)
+    ref_dir = resolve_model(reference)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    chunk = max(s["tokens"] for s in manifest["graphs"].values())
+    texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, long_prompt(engine, chunk + 5)]
+    results = []
+    for i, text in enumerate(texts):
+        progress("verifying", i, len(texts))
+        ids = engine.encode(text)
+        n = min(tokens, engine.capacity - len(ids) - 1)
+        ref_tokens, ref_logits = reference_greedy(model, ids, n)
+        engine.reset()
+        logits = engine.prefill([ids] * engine.batch)[0]
+        diffs, agree, first = [], 0, None
+        for step, tok in enumerate(ref_tokens):
+            diffs.append(float(np.abs(logits - ref_logits[step]).max()))
+            if int(np.argmax(logits)) == tok:
+                agree += 1
+            elif first is None:
+                first = step
+            if step + 1 < len(ref_tokens):
+                logits = engine.step([tok] * engine.batch)[0]
+        results.append(PromptResult(text, len(ids), len(ref_tokens), max(diffs), agree, first))
+    progress("verifying", len(texts), len(texts))
+    dtype = manifest["runtime"]["dtype"]
+    return VerifyReport(dtype, TOLERANCES[dtype], results)
