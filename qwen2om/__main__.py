@@ -1,0 +1,3 @@
+from qwen2om.cli import main
+
+main()

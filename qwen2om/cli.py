@@ -1,0 +1,186 @@
+"""The `qwen2om` command line: thin typer commands over library calls, rich output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qwen2om.errors import Qwen2omError
+
+app = typer.Typer(
+    help="Turn Hugging Face Qwen checkpoints into static-shape ONNX models, run and verify them.\n\n"
+    "MODEL is a checkpoint directory (config.json + safetensors) or builtin:NAME "
+    "(tiny-qwen2, tiny-qwen2-untied, tiny-qwen3, tiny-qwen3-untied), built offline.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+out_console = Console()
+err = Console(stderr=True)
+
+
+@contextmanager
+def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress callback `(label, done, total)` drawing one rich bar per label."""
+    if not enabled or not err.is_terminal:
+        yield lambda label, done, total: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bars:
+        tasks: dict[str, Any] = {}
+
+        def update(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bars.add_task(label, total=total)
+            bars.update(tasks[label], completed=done, total=total)
+
+        yield update
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def convert(
+    model: Annotated[str, typer.Argument(help="checkpoint directory or builtin:NAME")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (built atomically)")],
+    recipe: Annotated[str | None, typer.Option(help="bundled recipe name (e.g. qwen3-fp32) or YAML file; "
+                                               "default: <family>-<dtype>")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="recipe override key=value (repeatable)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="compute dtype: fp32 or fp16")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="KV cache capacity P (default 2048 or the model's "
+                                                     "limit)")] = None,
+    prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128)")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="static batch size (default 1)")] = None,
+    target: Annotated[str | None, typer.Option(help="compile target: ort")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the manifest summary as JSON")] = False,
+) -> None:
+    """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py)."""
+    from qwen2om.convert import convert as run_convert
+
+    overrides = list(set_ or [])
+    for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
+                       ("batch_size", batch_size), ("target", target)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    with progress_bar(not as_json) as progress:
+        result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, progress=progress,
+                             on_step=lambda s: None if as_json else err.print(
+                                 f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
+    m = result.manifest
+    if as_json:
+        print(json.dumps({k: m[k] for k in ("architecture", "recipe", "stages", "graphs", "files")}, indent=2))
+        return
+    table = Table(title=f"{model} → {out}", show_lines=False)
+    for col in ("pass", "seconds", "changed", "what it did"):
+        table.add_column(col)
+    for s in m["stages"]:
+        stats = ", ".join(f"{k}={v}" for k, v in s["stats"].items())
+        table.add_row(s["pass"], f"{s['seconds']:.2f}", "yes" if s["modified"] else "no", stats)
+    out_console.print(table)
+    files = Table(title="files written")
+    files.add_column("file")
+    files.add_column("size", justify="right")
+    for f in m["files"]:
+        files.add_row(f["name"], fmt_bytes(f["bytes"]))
+    out_console.print(files)
+    rt = m["runtime"]
+    out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']} "
+                      f"· graphs: " + ", ".join(f"{k} (T={g['tokens']})" for k, g in m["graphs"].items()))
+    out_console.print(f"next: qwen2om run {out} --prompt 'Hello' --greedy   |   python {out}/run.py --prompt 'Hello'")
+
+
+@app.command()
+def run(
+    out: Annotated[Path, typer.Argument(help="a qwen2om output directory")],
+    prompt: Annotated[str, typer.Option(help="text to continue")] = "Hello",
+    ids: Annotated[str | None, typer.Option(help="comma-separated token ids instead of --prompt")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="stop after this many new tokens")] = 64,
+    chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the ChatML chat format")] = False,
+    system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="deterministic greedy decoding (= --temperature 0)")] = False,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (0 = greedy)")] = 0.7,
+    top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (0 = all)")] = 20,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 0.8,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    truncate: Annotated[bool, typer.Option("--truncate", help="drop the oldest prompt tokens if too long")] = False,
+    threads: Annotated[int, typer.Option(help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
+) -> None:
+    """Generate text with a converted model, streaming tokens; prints prefill and decode speed."""
+    from qwen2om.runtime import standalone
+
+    argv = ["--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
+            "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed), "--threads", str(threads)]
+    if system is not None:
+        argv += ["--system", system]
+    if ids is not None:
+        argv += ["--ids", ids]
+    argv += [flag for flag, on in (("--chat", chat), ("--greedy", greedy), ("--truncate", truncate),
+                                   ("--json", as_json)) if on]
+    code = standalone.main(argv, model_dir=out)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def verify(
+    out: Annotated[Path, typer.Argument(help="a qwen2om output directory")],
+    reference: Annotated[str, typer.Option(help="the source checkpoint (directory or builtin:NAME)")],
+    tokens: Annotated[int, typer.Option(help="greedy tokens generated per prompt")] = 32,
+    prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
+                                                     "prompts, one longer than a prefill chunk)")] = None,
+    json_file: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
+) -> None:
+    """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
+    from qwen2om.verify import verify as run_verify
+
+    with progress_bar() as progress:
+        report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress)
+    table = Table(title=f"verify {out} against {reference} ({report.dtype})")
+    for col in ("prompt", "prompt tok", "steps", "max |Δlogits|", "top-1 agree", "first mismatch"):
+        table.add_column(col)
+    for p in report.prompts:
+        short = p.prompt.replace("\n", "⏎")[:40]
+        table.add_row(short, str(p.prompt_tokens), str(p.steps), f"{p.max_abs:.2e}", f"{p.agreement:.1%}",
+                      "-" if p.first_disagreement is None else str(p.first_disagreement))
+    out_console.print(table)
+    tol = report.tolerance
+    limits = (f"max |Δlogits| ≤ {tol['max_abs']:g}, " if tol["max_abs"] is not None else "") + \
+        f"top-1 agreement ≥ {tol['agreement']:.0%}"
+    verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
+    out_console.print(f"{verdict}: max |Δlogits| {report.max_abs:.2e}, top-1 agreement {report.agreement:.1%} "
+                      f"(tolerance: {limits})")
+    if json_file:
+        json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point: user errors print one line and exit non-zero; Ctrl-C exits cleanly."""
+    try:
+        app()
+    except Qwen2omError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted: nothing was written to the output directory")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Bad input: a clear message naming the culprit, a non-zero exit, nothing written at OUT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture
+def ckpt(checkpoint, tmp_path: Path) -> Path:
+    """A private, mutable copy of tiny-qwen3 (sharded, with an index)."""
+    dest = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("tiny-qwen3"), dest)
+    return dest
+
+
+def shard_of(ckpt: Path, tensor: str) -> Path:
+    return ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"][tensor]
+
+
+def edit_tensor(ckpt: Path, tensor: str, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    path = shard_of(ckpt, tensor)
+    tensors = load_file(path)
+    new = change(tensors[tensor])
+    if new is None:
+        del tensors[tensor]
+    else:
+        tensors[tensor] = new
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def convert_fails(cli, ckpt: Path, tmp_path: Path, *needles: str) -> str:
+    out = tmp_path / "out"
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
+    assert code != 0
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "partial output left behind"
+    return err
+
+
+def test_missing_config(cli, ckpt, tmp_path) -> None:
+    (ckpt / "config.json").unlink()
+    convert_fails(cli, ckpt, tmp_path, "config.json", "not found")
+
+
+def test_unreadable_config(cli, ckpt, tmp_path) -> None:
+    (ckpt / "config.json").write_text("{ not json")
+    convert_fails(cli, ckpt, tmp_path, "config.json", "cannot read")
+
+
+def test_unknown_model_type(cli, ckpt, tmp_path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen9"}))
+    convert_fails(cli, ckpt, tmp_path, "qwen9", "supported", "qwen2", "qwen3")
+
+
+def test_unknown_architectures(cli, ckpt, tmp_path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForTokenClassification"]}))
+    convert_fails(cli, ckpt, tmp_path, "Qwen3ForTokenClassification", "Qwen3ForCausalLM")
+
+
+def test_index_names_missing_shard(cli, ckpt, tmp_path) -> None:
+    victim = shard_of(ckpt, "model.norm.weight")
+    victim.unlink()
+    convert_fails(cli, ckpt, tmp_path, victim.name, "does not exist")
+
+
+def test_truncated_safetensors(cli, ckpt, tmp_path) -> None:
+    victim = shard_of(ckpt, "model.norm.weight")
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    convert_fails(cli, ckpt, tmp_path, victim.name, "not a readable safetensors file")
+
+
+def test_corrupt_safetensors_header(cli, ckpt, tmp_path) -> None:
+    victim = shard_of(ckpt, "model.norm.weight")
+    data = bytearray(victim.read_bytes())
+    data[8:40] = b"\xff" * 32  # clobber the JSON header
+    victim.write_bytes(bytes(data))
+    convert_fails(cli, ckpt, tmp_path, victim.name)
+
+
+def test_shape_disagrees_with_config(cli, ckpt, tmp_path) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    edit_tensor(ckpt, name, lambda t: t[:-1].clone())
+    convert_fails(cli, ckpt, tmp_path, name, "[159, 64]", "[160, 64]")
+
+
+def test_missing_tensor(cli, ckpt, tmp_path) -> None:
+    name = "model.layers.0.self_attn.k_norm.weight"
+    edit_tensor(ckpt, name, lambda t: None)
+    index = json.loads((ckpt / INDEX).read_text())
+    del index["weight_map"][name]
+    (ckpt / INDEX).write_text(json.dumps(index))
+    convert_fails(cli, ckpt, tmp_path, name, "missing")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight(cli, ckpt, tmp_path, bad: float) -> None:
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[3, 5] = bad
+        return t
+
+    edit_tensor(ckpt, name, poison)
+    convert_fails(cli, ckpt, tmp_path, name, "non-finite")
+
+
+def test_output_exists_needs_force(cli, converted, checkpoint, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64")
+    assert code != 0 and "--force" in err and str(out) in err
+    assert (out / "keep.txt").read_text() == "precious"
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16",
+                       "--force")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+
+
+def test_unknown_builtin_lists_known(cli, tmp_path) -> None:
+    code, _, err = cli("convert", "builtin:tiny-qwen9", "-o", tmp_path / "o")
+    assert code != 0 and "tiny-qwen9" in err and "tiny-qwen3" in err
+
+
+def test_prompt_longer_than_capacity(converted, cli) -> None:
+    out = converted("tiny-qwen3", "fp32")  # capacity 256
+    long = "word " * 400
+    code, _, err = cli("run", out, "--prompt", long, "--greedy", "--max-new-tokens", "4")
+    assert code != 0 and "capacity 256" in err and "--truncate" in err
+    code, _, err = cli("run", out, "--prompt", long, "--greedy", "--max-new-tokens", "4", "--truncate")
+    assert code == 0, err
+
+
+def test_token_ids_outside_vocabulary(converted, cli) -> None:
+    out = converted("tiny-qwen3", "fp32")
+    code, _, err = cli("run", out, "--ids", "1,2,151936", "--greedy", "--max-new-tokens", "2")
+    assert code != 0 and "151936" in err and "vocabulary" in err
+    code, _, err = cli("run", out, "--ids", "-1", "--greedy", "--max-new-tokens", "2")
+    assert code != 0 and "-1" in err
+
+
+def test_bad_recipe_override(cli, tmp_path) -> None:
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "max_seq=12")
+    assert code != 0 and "max_seq" in err and "max_seq_len" in err
+    assert not (tmp_path / "o").exists()

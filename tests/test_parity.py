@@ -1,0 +1,58 @@
+"""Acceptance: converted tiny models match transformers (the oracle) token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen2om.verify import verify
+
+MODELS = ["tiny-qwen2", "tiny-qwen2-untied", "tiny-qwen3", "tiny-qwen3-untied"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp32_matches_transformers(converted, name: str) -> None:
+    out = converted(name, "fp32")
+    report = verify(out, f"builtin:{name}", tokens=32)
+    # One default prompt is longer than the 32-token prefill chunk: chunked prefill is covered.
+    assert max(p.prompt_tokens for p in report.prompts) > 32
+    assert all(p.steps == 32 for p in report.prompts)
+    assert report.max_abs <= 1e-4, report.to_dict()
+    assert report.agreement == 1.0, report.to_dict()
+    assert report.passed
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3-untied"])
+def test_fp16_top1_agreement(converted, name: str) -> None:
+    out = converted(name, "fp16")
+    report = verify(out, f"builtin:{name}", tokens=32)
+    assert report.dtype == "float16"
+    assert report.agreement >= 0.99, report.to_dict()
+    # fp16 is not bit-exact, but it must be close: a broken cast shows up as O(1) errors.
+    assert report.max_abs < 0.1, report.to_dict()
+
+
+def test_all_logits_prefill_matches(converted) -> None:
+    """logits=all (every prefill position returned) gives the same parity."""
+    out = converted("tiny-qwen3", "fp32", "logits=all")
+    report = verify(out, "builtin:tiny-qwen3", tokens=8)
+    assert report.passed and report.max_abs <= 1e-4
+
+
+def test_verify_cli_passes_and_writes_json(converted, cli, tmp_path) -> None:
+    out = converted("tiny-qwen3", "fp32")
+    code, stdout, _ = cli("verify", out, "--reference", "builtin:tiny-qwen3", "--tokens", "8",
+                          "--json", tmp_path / "v.json")
+    assert code == 0, stdout
+    assert "PASS" in stdout
+    import json
+
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert data["passed"] is True and data["max_abs_logits"] <= 1e-4
+
+
+def test_verify_cli_fails_against_a_different_model(converted, cli) -> None:
+    """The check can fail: tiny-qwen3 compiled, tiny-qwen3-untied as reference (same shapes, other weights)."""
+    out = converted("tiny-qwen3", "fp32")
+    code, stdout, _ = cli("verify", out, "--reference", "builtin:tiny-qwen3-untied", "--tokens", "4")
+    assert code == 1
+    assert "FAIL" in stdout
