@@ -1,0 +1,134 @@
+"""The output directory contract: files, manifest, signature, legality, determinism, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from qwen2om.convert import convert
+from qwen2om.output import sha256_file
+
+
+def test_manifest_lists_every_file_with_hashes(converted) -> None:
+    out = converted("tiny-qwen3", "fp32")
+    m = json.loads((out / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert {f["name"] for f in m["files"]} == on_disk
+    for f in m["files"]:
+        assert sha256_file(out / f["name"]) == f["sha256"]
+    assert {"model.decode.onnx", "model.prefill.onnx", "model.onnx.data", "run.py", "tokenizer.json",
+            "tokenizer_config.json", "config.json", "generation_config.json"} <= on_disk
+    assert m["format_version"] == 1
+    assert m["source"]["files"] and all(len(f["sha256"]) == 64 for f in m["source"]["files"])
+    assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(m["tools"])
+    assert m["recipe"]["max_seq_len"] == 256 and m["recipe"]["pipeline"][0] == "load_checkpoint"
+    assert [s["pass"] for s in m["stages"]] == m["recipe"]["pipeline"]
+
+
+def test_signature_follows_the_design(converted) -> None:
+    out = converted("tiny-qwen2", "fp16")
+    m = json.loads((out / "manifest.json").read_text())
+    decode, prefill = m["graphs"]["decode"], m["graphs"]["prefill"]
+    assert (decode["tokens"], prefill["tokens"]) == (1, 32)
+    ins = {i["name"]: i for i in prefill["inputs"]}
+    assert ins["input_ids"] == {"name": "input_ids", "dtype": "int64", "shape": [1, 32], "role": "ids"}
+    assert ins["attention_mask"]["dtype"] == "float16" and ins["attention_mask"]["shape"] == [1, 1, 32, 256 + 32]
+    assert ins["position_ids"]["dtype"] == "int64"
+    assert ins["past_key.1"] == {"name": "past_key.1", "dtype": "float16", "shape": [1, 2, 256, 16],
+                                 "role": "past_key", "layer": 1}
+    outs = {o["name"]: o for o in prefill["outputs"]}
+    assert outs["logits"]["shape"] == [1, 1, 151936] and outs["logits"]["dtype"] == "float32"
+    assert outs["present_value.0"]["shape"] == [1, 2, 32, 16]  # the new tokens only
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_graphs_are_legal_and_float_kept(converted, dtype: str) -> None:
+    out = converted("tiny-qwen3", dtype)
+    for kind in ("decode", "prefill"):
+        model = onnx.load(out / f"model.{kind}.onnx", load_external_data=False)
+        assert model.ir_version == 8
+        assert {(o.domain, o.version) for o in model.opset_import} == {("", 18)}
+        onnx.checker.check_model(str(out / f"model.{kind}.onnx"))
+        inits = {t.name: t for t in model.graph.initializer}
+        assert not [n for n, t in inits.items() if t.data_type == onnx.TensorProto.BFLOAT16]
+        # RoPE tables stay float32 even in an fp16 graph; there is no inv_freq at all.
+        assert inits["rope_cos"].data_type == onnx.TensorProto.FLOAT
+        assert inits["rope_sin"].data_type == onnx.TensorProto.FLOAT
+        assert not any("inv_freq" in n for n in inits)
+        assert not {n.op_type for n in model.graph.node} & {"Trilu", "NonZero", "Loop", "If"}
+        names = [n.name for n in model.graph.node]
+        assert len(set(names)) == len(names)
+        assert "/model/layers.1/self_attn/q_proj/MatMul" in names
+        # Weights live once in the shared data file.
+        locs = {e.value for t in inits.values() for e in t.external_data if e.key == "location"}
+        assert locs == {"model.onnx.data"}
+
+
+def test_rope_tables_are_accurate_at_theta_1e6(converted) -> None:
+    """cos/sin tables equal a float64 computation to fp32 rounding at every position."""
+    from onnx.numpy_helper import to_array
+
+    out = converted("tiny-qwen3", "fp32")
+    model = onnx.load(out / "model.decode.onnx")
+    inits = {t.name: to_array(t) for t in model.graph.initializer if t.name.startswith("rope")}
+    d = 32
+    inv = 1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+    ang = np.arange(256, dtype=np.float64)[:, None] * inv.astype(np.float64)[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    assert np.abs(inits["rope_cos"] - np.cos(ang)).max() < 1e-6
+    assert np.abs(inits["rope_sin"] - np.sin(ang)).max() < 1e-6
+
+
+def test_conversion_is_deterministic(converted, tmp_path) -> None:
+    first = converted("tiny-qwen2", "fp32")
+    again = tmp_path / "again"
+    convert("builtin:tiny-qwen2", again, overrides=["max_seq_len=256", "prefill_chunk=32", "dtype=fp32"])
+    for name in ("model.decode.onnx", "model.prefill.onnx", "model.onnx.data", "run.py", "graphs/summary.txt"):
+        assert sha256_file(first / name) == sha256_file(again / name), name
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, checkpoint) -> None:
+    """A failure late in the pipeline (after files were staged) leaves no OUT and no partial sibling."""
+    import qwen2om.convert as conv
+
+    out = tmp_path / "out"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("family: qwen3\nmax_seq_len: 64\nprefill_chunk: 16\n"
+                      "pipeline: [load_checkpoint, static_model, export_onnx, legalize_ort, write_onnx, package]\n")
+    original = conv.build_manifest
+
+    def explode(*a, **k):  # the manifest is the very last step
+        raise KeyboardInterrupt
+
+    conv.build_manifest = explode
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert("builtin:tiny-qwen3", out, recipe=str(recipe))
+    finally:
+        conv.build_manifest = original
+    assert list(tmp_path.iterdir()) == [recipe]
+
+
+def test_data_file_is_aligned_and_shared(converted) -> None:
+    out = converted("tiny-qwen3-untied", "fp32")
+    offsets = {}
+    for kind in ("decode", "prefill"):
+        model = onnx.load(out / f"model.{kind}.onnx", load_external_data=False)
+        for t in model.graph.initializer:
+            ext = {e.key: e.value for e in t.external_data}
+            if ext:
+                assert int(ext["offset"]) % 4096 == 0
+                offsets.setdefault(t.name, set()).add(ext["offset"])
+    assert offsets and all(len(v) == 1 for v in offsets.values())
+    weight_bytes = (out / "model.onnx.data").stat().st_size
+    # untied: embed + lm_head (2 × 151936 × 64 × 4 bytes) dominate; each stored once.
+    assert weight_bytes < 2.2 * 151936 * 64 * 4
+
+
+def test_hash_helper() -> None:
+    assert hashlib.sha256(b"").hexdigest() == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
