@@ -33,10 +33,10 @@ class CheckOutputs:
                 got_sig = [(a.name, a.type, list(a.shape)) for a in got]
                 want_sig = [(s.name, ORT_TYPES[s.dtype], list(s.shape)) for s in want]
                 if got_sig != want_sig:
-                    diff = next((g, w) for g, w in zip(got_sig + [None] * len(want_sig), want_sig + [None] * len(got_sig))
-                                if g != w)
-                    raise Qwen2omError(f"{path.name}: {what} signature differs from the contract: got {diff[0]}, "
-                                       f"expected {diff[1]}")
+                    got_only = [g for g in got_sig if g not in want_sig]
+                    want_only = [w for w in want_sig if w not in got_sig]
+                    raise Qwen2omError(f"{path.name}: {what} signature differs from the contract: "
+                                       f"unexpected {got_only[:3]}, missing {want_only[:3]}")
             feeds = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in inputs}
             logits = sess.run(["logits"], feeds)[0]
             if not np.isfinite(logits).all():
