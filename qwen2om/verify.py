@@ -90,6 +90,7 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
            progress: Any = lambda *a: None) -> VerifyReport:
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     manifest = read_manifest(out)
     engine = Engine(out)
     ref_dir = resolve_model(reference)
