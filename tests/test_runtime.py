@@ -149,3 +149,20 @@ def test_run_py_in_a_minimal_venv(converted, cli, tmp_path) -> None:
                           "--json")
     assert code == 0
     assert run_json(py, out / "run.py", cwd=tmp_path)["tokens"] == json.loads(stdout)["tokens"]
+
+
+def test_batch_rows_of_different_lengths_match_batch_one(converted) -> None:
+    """A batch-2 graph: each row (left-padded to a common chunk count) equals the batch-1 result."""
+    one = Engine(converted("tiny-qwen3", "fp32"))
+    two = Engine(converted("tiny-qwen3", "fp32", "batch_size=2"))
+    assert two.batch == 2
+    a = one.encode("Short prompt.")
+    b = one.encode("A much longer prompt that spans more than one prefill chunk of thirty-two tokens. " * 2)
+    two.reset()
+    both = two.prefill([a, b]).copy()
+    nxt = two.step([7, 9]).copy()
+    for row, ids, tok in ((0, a, 7), (1, b, 9)):
+        one.reset()
+        single = one.prefill([ids])[0].copy()
+        assert np.abs(both[row] - single).max() < 1e-4
+        assert np.abs(nxt[row] - one.step([tok])[0]).max() < 1e-4
