@@ -172,6 +172,10 @@ def verify(
 
 def main() -> None:
     """Entry point: user errors print one line and exit non-zero; Ctrl-C exits cleanly."""
+    from qwen2om.environment import torch_npu_without_cann
+
+    if warning := torch_npu_without_cann():
+        err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     try:
         app()
     except Qwen2omError as e:
