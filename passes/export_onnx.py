@@ -8,6 +8,8 @@ import logging
 import warnings
 from typing import ClassVar
 
+import onnx_ir as ir
+import onnxscript.optimizer
 import torch
 
 from qwen2om.errors import Qwen2omError
@@ -24,9 +26,20 @@ def call_shapes(recipe: object) -> dict[str, int]:
     return {"decode": 1} if c == 1 else {"decode": 1, "prefill": c}
 
 
-def example_args(inputs: list[IOSpec]) -> tuple[object, ...]:
-    tensors = [torch.zeros(s.shape, dtype=NP_TO_TORCH[s.dtype]) for s in inputs]
+def example_args(inputs: list[IOSpec], device: str = "cpu") -> tuple[object, ...]:
+    tensors = [torch.zeros(s.shape, dtype=NP_TO_TORCH[s.dtype], device=device) for s in inputs]
     return (*tensors[:3], tuple(tensors[3:]))
+
+
+def drop_meta_values(model: ir.Model) -> int:
+    """Initializers traced from meta parameters carry no data: make them value-less placeholders."""
+    n = 0
+    for init in model.graph.initializers.values():
+        raw = getattr(init.const_value, "raw", None)
+        if isinstance(raw, torch.Tensor) and raw.device.type == "meta":
+            init.const_value = None
+            n += 1
+    return n
 
 
 @contextlib.contextmanager
@@ -44,7 +57,11 @@ def quiet_exporter():  # type: ignore[no-untyped-def]
 
 @register
 class ExportOnnx:
-    """torch.onnx.export(dynamo=True) of the static model, one graph per call shape."""
+    """torch.onnx.export(dynamo=True) of the static model, one graph per call shape.
+
+    The model's parameters are meta tensors, so the trace holds no weights: the exporter's own
+    optimizer cannot run on meta data, so it runs here after the placeholders are emptied.
+    """
 
     name: ClassVar[str] = "export_onnx"
     requires: ClassVar[tuple[str, ...]] = ("static_model", "checkpoint")
@@ -52,6 +69,7 @@ class ExportOnnx:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         model, ckpt, r = ws.need("static_model"), ws.need("checkpoint"), ctx.recipe
+        device = next(model.parameters()).device.type
         graphs, sigs = {}, {}
         shapes = call_shapes(r)
         for n, (kind, t) in enumerate(shapes.items()):
@@ -62,10 +80,12 @@ class ExportOnnx:
             try:
                 with quiet_exporter(), torch.no_grad():
                     program = torch.onnx.export(
-                        model, example_args(inputs), dynamo=True, opset_version=r.opset,
+                        model, example_args(inputs, device), dynamo=True, opset_version=r.opset,
                         input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
-                        optimize=True, verify=False,
+                        optimize=False, verify=False,
                     )
+                    drop_meta_values(program.model)
+                    onnxscript.optimizer.optimize_ir(program.model)
             except Exception as e:  # the exporter's own errors are long; keep the first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e

@@ -30,6 +30,7 @@ class SharedData:
     def __init__(self, fh: BinaryIO) -> None:
         self.fh, self.offset = fh, 0
         self.index: dict[tuple[str, str], tuple[int, int]] = {}
+        self.by_name: dict[str, tuple[int, int]] = {}
 
     def put(self, name: str, data: bytes) -> tuple[int, int, bool]:
         key = (name, hashlib.sha256(data).hexdigest())
@@ -39,7 +40,7 @@ class SharedData:
         self.fh.write(b"\0" * pad)
         self.offset += pad
         self.fh.write(data)
-        self.index[key] = (self.offset, len(data))
+        self.index[key] = self.by_name[name] = (self.offset, len(data))
         self.offset += len(data)
         return self.offset - len(data), len(data), True
 
@@ -49,7 +50,7 @@ class WriteOnnx:
     """Save model.<kind>.onnx files and the shared model.onnx.data into the staging directory."""
 
     name: ClassVar[str] = "write_onnx"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights")
     produces: ClassVar[tuple[str, ...]] = ("onnx_files",)
 
     def __init__(self, inline_limit: int = 1024) -> None:
@@ -59,12 +60,27 @@ class WriteOnnx:
         stage: Path = ctx.stage_dir
         files: dict[str, Path] = {}
         stored = shared = 0
+        weights, bindings = ws.need("weights")
+        graphs = ws.need("graphs")
+        total = sum(1 for m in graphs.values() for _ in m.graph.initializers)
+        done = 0
         with open(stage / DATA_FILE, "wb") as fh:
             data = SharedData(fh)
-            for kind, model in ws.need("graphs").items():
+            for kind, model in graphs.items():
                 for init in model.graph.initializers.values():
+                    done += 1
+                    ctx.progress("writing weights", done, total)
                     tensor = init.const_value
-                    if tensor is None or tensor.nbytes < self.inline_limit:
+                    if tensor is None and init.name in data.by_name:  # a weight the other graph wrote
+                        offset, length = data.by_name[init.name]
+                        init.const_value = ir.ExternalTensor(
+                            DATA_FILE, offset, length, init.dtype, shape=init.shape, name=init.name, base_dir=stage)
+                        shared += 1
+                        continue
+                    if tensor is None:  # a weight: read it from the checkpoint now
+                        tensor = ir.tensor(weights.value(bindings, init.name).numpy(), name=init.name)
+                    if tensor.nbytes < self.inline_limit:
+                        init.const_value = tensor
                         continue
                     offset, length, new = data.put(init.name, tensor.tobytes())
                     stored, shared = stored + new, shared + (not new)

@@ -15,21 +15,20 @@ Parameter names stay the Hugging Face ones so graph initializers read like the c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims
+from qwen2om.weights import Weights
 
 
 class Linear(nn.Module):
     """y = x @ W (+ b) with W stored [in, out]."""
 
-    def __init__(self, w_t: torch.Tensor, b: torch.Tensor | None) -> None:
+    def __init__(self, w: Weights, name: str, *, bias: bool = False, source: str | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(w_t, requires_grad=False)
-        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+        self.weight = w.param(f"{source or name}.weight", transpose=True)
+        self.bias = w.param(f"{name}.bias") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight)
@@ -39,9 +38,9 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """Qwen RMSNorm: statistics in float32, scale applied in the compute dtype (as transformers)."""
 
-    def __init__(self, w: torch.Tensor, eps: float) -> None:
+    def __init__(self, w: Weights, name: str, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(w, requires_grad=False)
+        self.weight = w.param(f"{name}.weight")
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +55,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str) -> None:
         super().__init__()
         self.d = d
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, proj, Linear(get(f"{p}.{proj}.weight").T.contiguous(), get(f"{p}.{proj}.bias")))
-        self.q_norm = RMSNorm(get(f"{p}.q_norm.weight"), d.rms_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(get(f"{p}.k_norm.weight"), d.rms_eps) if arch.qk_norm else None
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, proj, Linear(w, f"{p}.{proj}", bias=arch.qkv_bias))
+        self.o_proj = Linear(w, f"{p}.o_proj")
+        self.q_norm = RMSNorm(w, f"{p}.q_norm", d.rms_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(w, f"{p}.k_norm", d.rms_eps) if arch.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -91,22 +91,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+    def __init__(self, w: Weights, p: str) -> None:
         super().__init__()
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            setattr(self, proj, Linear(get(f"{p}.{proj}.weight").T.contiguous(), None))
+            setattr(self, proj, Linear(w, f"{p}.{proj}"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None], p: str) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(get(f"{p}.input_layernorm.weight"), d.rms_eps)
-        self.self_attn = Attention(arch, d, get, f"{p}.self_attn")
-        self.post_attention_layernorm = RMSNorm(get(f"{p}.post_attention_layernorm.weight"), d.rms_eps)
-        self.mlp = MLP(get, f"{p}.mlp")
+        self.input_layernorm = RMSNorm(w, f"{p}.input_layernorm", d.rms_eps)
+        self.self_attn = Attention(arch, d, w, f"{p}.self_attn")
+        self.post_attention_layernorm = RMSNorm(w, f"{p}.post_attention_layernorm", d.rms_eps)
+        self.mlp = MLP(w, f"{p}.mlp")
 
     def forward(self, x, cos, sin, mask, past_k, past_v):  # type: ignore[no-untyped-def]
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
@@ -114,41 +114,40 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
+class Embedding(nn.Module):
+    def __init__(self, w: Weights, name: str) -> None:
+        super().__init__()
+        self.weight = w.param(f"{name}.weight")
+
+
 class Body(nn.Module):
     """`model.*` of the Hugging Face layout."""
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None]) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(arch, d, get, f"model.layers.{i}") for i in range(d.layers))
-        self.norm = RMSNorm(get("model.norm.weight"), d.rms_eps)
+        self.embed_tokens = None if d.tied else Embedding(w, "model.embed_tokens")
+        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}") for i in range(d.layers))
+        self.norm = RMSNorm(w, "model.norm", d.rms_eps)
 
 
 class StaticQwen(nn.Module):
     """Dense Qwen2/Qwen3 with the static forward signature; weights in the compute dtype."""
 
-    def __init__(
-        self, arch: ArchSpec, d: ModelDims, get: Callable[[str], torch.Tensor | None],
-        cos: torch.Tensor, sin: torch.Tensor, *, logits_last: bool,
-    ) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
+                 *, logits_last: bool) -> None:
         super().__init__()
         self.d, self.logits_last = d, logits_last
-        self.model = Body(arch, d, get)
-        embed = get("model.embed_tokens.weight")
-        if d.tied:
-            # One [hidden, vocab] table: Gather along axis 1 for the embedding, MatMul for the head.
-            self.lm_head = Linear(embed.T.contiguous(), None)
-            self.embed_tokens = None
-        else:
-            self.embed_tokens = nn.Parameter(embed, requires_grad=False)
-            self.lm_head = Linear(get("lm_head.weight").T.contiguous(), None)
+        self.model = Body(arch, d, w)
+        # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head.
+        self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
         # RoPE tables stay float32 constants whatever the compute dtype (see rope.py).
-        self.register_buffer("rope_cos", cos, persistent=True)
-        self.register_buffer("rope_sin", sin, persistent=True)
+        self.register_buffer("rope_cos", w.constant("rope_cos", cos), persistent=True)
+        self.register_buffer("rope_sin", w.constant("rope_sin", sin), persistent=True)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
-        if self.embed_tokens is not None:
-            return self.embed_tokens[ids]
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens.weight[ids]
         return self.lm_head.weight.index_select(1, ids.reshape(-1)).T.reshape(b, t, self.d.hidden)
 
     def forward(
