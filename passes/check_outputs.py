@@ -26,7 +26,9 @@ class CheckOutputs:
         for kind, (inputs, outputs) in sigs.items():
             path = files[kind]
             try:
-                sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                options = ort.SessionOptions()
+                options.add_session_config_entry("session.disable_prepacking", "1")  # no second weight copy
+                sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             except Exception as e:
                 raise Qwen2omError(f"{path.name}: ONNX Runtime cannot load the graph ({e})") from None
             for what, got, want in (("input", sess.get_inputs(), inputs), ("output", sess.get_outputs(), outputs)):

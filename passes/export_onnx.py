@@ -47,12 +47,16 @@ def quiet_exporter():  # type: ignore[no-untyped-def]
     """torch's exporter prints progress and warnings meant for its own developers; keep ours readable."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        level = logging.getLogger("torch").level
-        logging.getLogger("torch").setLevel(logging.ERROR)
+        # onnx_ir also warns once per value-less (meta) initializer, which is the point here.
+        loggers = [logging.getLogger(n) for n in ("torch", "onnxscript", "onnx_ir")]
+        levels = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
         try:
             yield
         finally:
-            logging.getLogger("torch").setLevel(level)
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
 
 
 @register

@@ -32,17 +32,23 @@ class SharedData:
         self.index: dict[tuple[str, str], tuple[int, int]] = {}
         self.by_name: dict[str, tuple[int, int]] = {}
 
-    def put(self, name: str, data: bytes) -> tuple[int, int, bool]:
-        key = (name, hashlib.sha256(data).hexdigest())
-        if key in self.index:
-            return (*self.index[key], False)
+    def append(self, name: str, data: memoryview | bytes) -> tuple[int, int]:
+        """Write `data` at the next aligned offset (no copy of the caller's buffer)."""
         pad = -self.offset % ALIGN
         self.fh.write(b"\0" * pad)
         self.offset += pad
         self.fh.write(data)
-        self.index[key] = self.by_name[name] = (self.offset, len(data))
+        self.by_name[name] = (self.offset, len(data))
         self.offset += len(data)
-        return self.offset - len(data), len(data), True
+        return self.by_name[name]
+
+    def put(self, name: str, data: bytes) -> tuple[int, int, bool]:
+        """Write exporter constants once per (name, content): graphs may reuse a name for other values."""
+        key = (name, hashlib.sha256(data).hexdigest())
+        if key in self.index:
+            return (*self.index[key], False)
+        self.index[key] = self.append(name, data)
+        return (*self.index[key], True)
 
 
 @register
@@ -77,17 +83,20 @@ class WriteOnnx:
                             DATA_FILE, offset, length, init.dtype, shape=init.shape, name=init.name, base_dir=stage)
                         shared += 1
                         continue
-                    if tensor is None:  # a weight: read it from the checkpoint now
-                        tensor = ir.tensor(weights.value(bindings, init.name).numpy(), name=init.name)
-                    if tensor.nbytes < self.inline_limit:
-                        init.const_value = tensor
+                    if tensor is None:  # a weight: read it from the checkpoint now, write it once
+                        array = weights.value(bindings, init.name).numpy()
+                        if array.nbytes < self.inline_limit:
+                            init.const_value = ir.tensor(array, name=init.name)
+                            continue
+                        offset, length = data.append(init.name, memoryview(array).cast("B"))
+                        stored += 1
+                    elif tensor.nbytes < self.inline_limit:
                         continue
-                    offset, length, new = data.put(init.name, tensor.tobytes())
-                    stored, shared = stored + new, shared + (not new)
+                    else:
+                        offset, length, new = data.put(init.name, tensor.tobytes())
+                        stored, shared = stored + new, shared + (not new)
                     init.const_value = ir.ExternalTensor(
-                        DATA_FILE, offset, length, tensor.dtype, shape=tensor.shape, name=init.name,
-                        base_dir=stage,
-                    )
+                        DATA_FILE, offset, length, init.dtype, shape=init.shape, name=init.name, base_dir=stage)
                 proto = ir.to_proto(model)
                 path = stage / graph_file(kind)
                 onnx.save_model(proto, path)

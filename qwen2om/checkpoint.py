@@ -141,11 +141,15 @@ class Checkpoint:
     def check_finite(self, name: str) -> None:
         """Raise naming the tensor if it holds NaN or Inf."""
         t = self.get(name)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+        if not t.is_floating_point():
+            return
+        # Row blocks of ~16M elements: isfinite on a whole embedding makes large temporaries.
+        flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
+        rows = max(1, (1 << 24) // max(1, flat.shape[1]))
+        bad = sum(int((~torch.isfinite(flat[i:i + rows])).sum()) for i in range(0, flat.shape[0], rows))
+        if bad:
             raise CheckpointError(
-                f"{self._where[name]}: tensor {name!r} has {bad} non-finite values (NaN/Inf) "
-                f"of {math.prod(t.shape)}"
+                f"{self._where[name]}: tensor {name!r} has {bad} non-finite values (NaN/Inf) of {math.prod(t.shape)}"
             )
 
     def close(self) -> None:

@@ -118,6 +118,7 @@ def run(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     truncate: Annotated[bool, typer.Option("--truncate", help="drop the oldest prompt tokens if too long")] = False,
     threads: Annotated[int, typer.Option(help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="keep generating past EOS")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
 ) -> None:
     """Generate text with a converted model, streaming tokens; prints prefill and decode speed."""
@@ -130,7 +131,7 @@ def run(
     if ids is not None:
         argv += ["--ids", ids]
     argv += [flag for flag, on in (("--chat", chat), ("--greedy", greedy), ("--truncate", truncate),
-                                   ("--json", as_json)) if on]
+                                   ("--ignore-eos", ignore_eos), ("--json", as_json)) if on]
     code = standalone.main(argv, model_dir=out)
     if code:
         raise typer.Exit(code)
