@@ -173,11 +173,11 @@ def median_of(runs: int, fn: Callable[[], float]) -> float:
 def bench_qwen2om(out: Path, ids: list[int], new_tokens: int, threads: int, runs: int) -> tuple[Row, int]:
     """Engine TTFT (prefill wall time) and decode tok/s ((N-1) steps / decode wall time), greedy."""
     engine = Engine(out, threads=threads)
-    engine.eos = set()  # decode exactly N tokens, as min_new_tokens does for transformers
     rss = psutil.Process().memory_info().rss
     results = []
     for i in range(runs + 1):  # run 0 is the warm-up
-        tokens, stats = engine.generate(ids, max_new_tokens=new_tokens, sampling=Sampling(0.0))
+        # ignore_eos: decode exactly N tokens, as min_new_tokens does for transformers
+        tokens, stats = engine.generate(ids, max_new_tokens=new_tokens, sampling=Sampling(0.0), ignore_eos=True)
         if stats.new_tokens != new_tokens:
             raise SystemExit(f"qwen2om decoded {stats.new_tokens} tokens, expected {new_tokens} ({stats.stop})")
         if i:

@@ -45,7 +45,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Written as x / sqrt(mean(x²) + eps) · w: the pattern ONNX Runtime fuses into one
+        # SimplifiedLayerNormalization kernel (rsqrt exports as Sqrt + Reciprocal, which it does not).
+        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
