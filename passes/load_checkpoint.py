@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from qwen2om.checkpoint import Checkpoint
-from qwen2om.errors import RecipeError
+from qwen2om.errors import CheckpointError, RecipeError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 
@@ -25,6 +25,8 @@ class LoadCheckpoint:
                 f"but {ctx.source} is {ckpt.arch.name!r}"
             )
         expected = ckpt.validate_layout()
+        if not (ckpt.root / "tokenizer.json").is_file():
+            raise CheckpointError(f"{ckpt.root}: no tokenizer.json; the runtime needs it to encode prompts")
         ws["checkpoint"] = ckpt
         extra = len(set(ckpt.names()) - set(expected))
         return PassResult(True, {"arch": ckpt.arch.name, "tensors": len(expected), "ignored_tensors": extra,

@@ -7,7 +7,6 @@ from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
-from qwen2om.errors import CheckpointError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
@@ -33,13 +32,11 @@ class Package:
     """Write tokenizer and config files, the standalone run.py, and graphs/summary.txt."""
 
     name: ClassVar[str] = "package"
-    requires: ClassVar[tuple[str, ...]] = ("checkpoint", "onnx_files")
+    requires: ClassVar[tuple[str, ...]] = ("checkpoint", "graphs", "onnx_files")
     produces: ClassVar[tuple[str, ...]] = ("package_files",)
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt, stage = ws.need("checkpoint"), ctx.stage_dir
-        if not (ckpt.root / "tokenizer.json").is_file():
-            raise CheckpointError(f"{ckpt.root}: no tokenizer.json; the runtime needs it to encode prompts")
         written: list[Path] = []
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
             if (ckpt.root / name).is_file():

@@ -35,5 +35,8 @@ def resolve_model(model: str | Path) -> Path:
         raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(TINY)})")
     dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
     if not (dest / "config.json").is_file():
-        write_tiny_checkpoint(name, dest)
+        try:
+            write_tiny_checkpoint(name, dest)
+        except ImportError as e:  # dashscope (the tokenizer's vocabulary) missing
+            raise Qwen2omError(f"cannot build builtin:{name}: {e}") from None
     return dest

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,8 @@ class Checkpoint:
         self.config = read_json(self.root / "config.json", "config.json")
         self.arch: ArchSpec = resolve_arch(self.config, str(self.root / "config.json"))
         self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
-        self._where = self._locate_tensors()
         self._handles: dict[Path, Any] = {}
+        self._where = self._locate_tensors()
 
     # -- discovery -------------------------------------------------------------------------
     def _locate_tensors(self) -> dict[str, Path]:
@@ -78,8 +77,6 @@ class Checkpoint:
         return where
 
     def _open(self, shard: Path) -> Any:
-        if not hasattr(self, "_handles"):
-            self._handles = {}
         if shard not in self._handles:
             try:
                 self._handles[shard] = safe_open(str(shard), framework="pt")
@@ -133,10 +130,6 @@ class Checkpoint:
                     f"but config.json implies {list(shape)}"
                 )
         return want
-
-    def iter_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in names:
-            yield name, self.get(name)
 
     def check_finite(self, name: str) -> None:
         """Raise naming the tensor if it holds NaN or Inf."""

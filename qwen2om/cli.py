@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qwen2om.errors import Qwen2omError
+from qwen2om.runtime.standalone import RuntimeInputError
 
 app = typer.Typer(
     help="Turn Hugging Face Qwen checkpoints into static-shape ONNX models, run and verify them.\n\n"
@@ -182,6 +183,9 @@ def main() -> None:
     except Qwen2omError as e:
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
+    except RuntimeInputError as e:  # the standalone runtime's own error type (it cannot import qwen2om)
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted: nothing was written to the output directory")
         sys.exit(130)

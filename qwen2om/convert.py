@@ -11,10 +11,11 @@ import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import read_json
+from qwen2om.errors import RecipeError
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.write_onnx import graph_file
 from qwen2om.pipeline import RunContext, StepReport, Workspace, run_pipeline
-from qwen2om.recipe import Recipe, apply_overrides, load_recipe
+from qwen2om.recipe import DTYPES, Recipe, apply_overrides, load_recipe
 
 LAYOUT = {
     "kv_cache": "BNSD: [batch, kv_heads, capacity, head_dim]; outputs hold the T new tokens only",
@@ -41,6 +42,8 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
     dims = ModelDims.from_config(cfg, str(cfg_path))
     if recipe is None:
         dtype = next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith("dtype=")), "fp32")
+        if dtype not in DTYPES:
+            raise RecipeError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
         recipe = f"{arch.name}-{dtype}"
     r = apply_overrides(load_recipe(recipe), overrides)
     return r.resolved(dims.max_positions), dims

@@ -28,12 +28,3 @@ class PlanError(Qwen2omError):
 class OutputExistsError(Qwen2omError):
     """The output directory exists and --force was not given."""
 
-
-class RuntimeInputError(Qwen2omError):
-    """A prompt or token ids the compiled model cannot take."""
-
-
-class VerifyError(Qwen2omError):
-    """Parity against the reference failed its tolerances."""
-
-    exit_code = 1

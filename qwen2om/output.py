@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from qwen2om.errors import OutputExistsError
+from qwen2om.errors import OutputExistsError, Qwen2omError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -28,27 +28,36 @@ def staged_output(out: Path, *, force: bool) -> Iterator[Path]:
     On any failure, Ctrl-C included, the sibling is removed and `out` is left as it was.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out} exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out} exists; pass --force to replace it")
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        # --force replaces an earlier output, never an arbitrary folder (think `-o ~ --force`).
+        raise OutputExistsError(
+            f"{out} is not empty and holds no {MANIFEST}: refusing to replace it, even with --force")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise Qwen2omError(f"cannot create the output directory next to {out}: {e.strerror or e}") from None
     umask = os.umask(0)
     os.umask(umask)
     stage.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         yield stage
-        old = None
         if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
         stage.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(stage, ignore_errors=True)
+        if old.exists() and not out.exists():
+            old.rename(out)  # put the previous output back: a failed --force run changes nothing
+        if isinstance(e, OSError):
+            raise Qwen2omError(f"cannot move the finished output into place at {out}: {e.strerror or e}") from None
         raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -96,19 +96,22 @@ class StepReport:
     stats: Stats
 
 
+def build_pass(name: str, args: dict[str, Any]) -> Pass:
+    try:
+        return PASSES.get(name).factory(**args)
+    except TypeError as e:
+        raise PlanError(f"pass {name!r}: bad arguments {args} ({e})") from None
+
+
 def run_pipeline(
     steps: Sequence[tuple[str, dict[str, Any]]], ws: Workspace, ctx: RunContext,
     on_step: Callable[[StepReport], None] = lambda r: None,
 ) -> list[StepReport]:
     """Run the passes in order; an error names the failing pass and those that ran before it."""
     check_plan([n for n, _ in steps], set(ws))
+    built = [(name, build_pass(name, args)) for name, args in steps]  # bad arguments fail before any work
     reports: list[StepReport] = []
-    for name, args in steps:
-        entry = PASSES.get(name)
-        try:
-            p = entry.factory(**args)
-        except TypeError as e:
-            raise PlanError(f"pass {name!r}: bad arguments {args} ({e})") from None
+    for name, p in built:
         t0 = time.perf_counter()
         try:
             result = p(ws, ctx)

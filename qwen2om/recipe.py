@@ -106,11 +106,14 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         return AUTO
     want = int if isinstance(default, int) or default == AUTO else type(default)
     if want is int:
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise RecipeError(f"{where}: {key}={value!r} must be an integer") from None
-    return str(value)
+        # YAML gives ints; --set gives digit strings. Floats and booleans are mistakes, not integers.
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and
+                                                                       value.strip().lstrip("-").isdigit())):
+            raise RecipeError(f"{where}: {key}={value!r} must be an integer")
+        return int(value)
+    if not isinstance(value, str):
+        raise RecipeError(f"{where}: {key}={value!r} must be a string")
+    return value
 
 
 def from_mapping(data: Any, where: str) -> Recipe:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from qwen2om.builtin import resolve_model
+from qwen2om.errors import Qwen2omError
 from qwen2om.output import read_manifest
 from qwen2om.runtime.standalone import Engine
 
@@ -94,15 +95,21 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
     manifest = read_manifest(out)
     engine = Engine(out)
     ref_dir = resolve_model(reference)
+    if not (ref_dir / "config.json").is_file():
+        raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
     chunk = max(s["tokens"] for s in manifest["graphs"].values())
-    texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, long_prompt(engine, chunk + 5)]
+    long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None
+    texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, *([long] if long else [])]
     results = []
     for i, text in enumerate(texts):
         progress("verifying", i, len(texts))
         ids = engine.encode(text)
-        n = min(tokens, engine.capacity - len(ids) - 1)
+        n = min(tokens, engine.capacity - len(ids))
+        if n < 1 or not ids:
+            raise Qwen2omError(f"prompt {i + 1} has {len(ids)} tokens: it leaves no room to generate in the "
+                               f"cache capacity {engine.capacity}; use a shorter --prompt")
         ref_tokens, ref_logits = reference_greedy(model, ids, n)
         engine.reset()
         logits = engine.prefill([ids] * engine.batch)[0]

@@ -33,9 +33,6 @@ class Weights:
         self._refs: dict[int, WeightRef] = {}
         self.constants: dict[str, torch.Tensor] = {}
 
-    def has(self, name: str) -> bool:
-        return name in self.shapes
-
     def param(self, name: str, *, transpose: bool = False) -> nn.Parameter:
         ref = WeightRef(name, transpose)
         if self.lazy:

@@ -120,10 +120,20 @@ def test_non_finite_weight(cli, ckpt, tmp_path, bad: float) -> None:
     convert_fails(cli, ckpt, tmp_path, name, "non-finite")
 
 
+def test_force_refuses_a_folder_that_is_not_an_output(cli, tmp_path) -> None:
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64", "--force")
+    assert code != 0 and "manifest.json" in err and "refusing" in err
+    assert (out / "thesis.tex").read_text() == "precious"
+
+
 def test_output_exists_needs_force(cli, converted, checkpoint, tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
+    (out / "manifest.json").write_text("{}")  # an earlier qwen2om output
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64")
     assert code != 0 and "--force" in err and str(out) in err
     assert (out / "keep.txt").read_text() == "precious"
@@ -143,8 +153,11 @@ def test_prompt_longer_than_capacity(converted, cli) -> None:
     long = "word " * 400
     code, _, err = cli("run", out, "--prompt", long, "--greedy", "--max-new-tokens", "4")
     assert code != 0 and "capacity 256" in err and "--truncate" in err
-    code, _, err = cli("run", out, "--prompt", long, "--greedy", "--max-new-tokens", "4", "--truncate")
+    code, stdout, err = cli("run", out, "--prompt", long, "--greedy", "--max-new-tokens", "4", "--truncate",
+                            "--json")
     assert code == 0, err
+    result = json.loads(stdout)
+    assert len(result["prompt_ids"]) == 256 - 4 and len(result["tokens"]) == 4
 
 
 def test_token_ids_outside_vocabulary(converted, cli) -> None:
@@ -153,6 +166,25 @@ def test_token_ids_outside_vocabulary(converted, cli) -> None:
     assert code != 0 and "151936" in err and "vocabulary" in err
     code, _, err = cli("run", out, "--ids", "-1", "--greedy", "--max-new-tokens", "2")
     assert code != 0 and "-1" in err
+
+
+def test_empty_prompt_is_an_error(converted, cli) -> None:
+    code, _, err = cli("run", converted("tiny-qwen3", "fp32"), "--prompt", "", "--greedy")
+    assert code != 0 and "empty" in err and "Traceback" not in err
+
+
+def test_verify_with_a_missing_reference(converted, cli, tmp_path) -> None:
+    code, _, err = cli("verify", converted("tiny-qwen3", "fp32"), "--reference", tmp_path / "nope")
+    assert code == 2 and "nope" in err and "Traceback" not in err
+
+
+def test_bad_pass_argument_fails_before_any_work(cli, tmp_path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("family: qwen3\nmax_seq_len: 64\npipeline: [load_checkpoint, static_model, export_onnx, "
+                      "legalize_ort, {write_onnx: {inline_limt: 10}}]\n")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--recipe", recipe)
+    assert code != 0 and "inline_limt" in err and "write_onnx" in err
+    assert "completed" not in err  # nothing ran
 
 
 def test_bad_recipe_override(cli, tmp_path) -> None:

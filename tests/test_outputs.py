@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -131,3 +132,62 @@ def test_data_file_is_aligned_and_shared(converted) -> None:
 
 def test_hash_helper() -> None:
     assert hashlib.sha256(b"").hexdigest() == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_legalize_is_idempotent(converted) -> None:
+    """STYLE.md: a second run of an idempotent pass reports modified=False."""
+    import onnx_ir as ir
+
+    from qwen2om.passes.legalize_ort import LegalizeOrt
+    from qwen2om.pipeline import RunContext, Workspace
+    from qwen2om.recipe import load_recipe
+
+    out = converted("tiny-qwen3", "fp32")
+    model = ir.load(out / "model.decode.onnx")
+    ws = Workspace(graphs={"decode": model})
+    ctx = RunContext(recipe=load_recipe("qwen3-fp32"), stage_dir=out, source=out, tool_version="x")
+    LegalizeOrt()(ws, ctx)  # the saved graph already is legal but carries another producer string
+    again = LegalizeOrt()(ws, ctx)
+    assert again.modified is False and again.stats["nodes_renamed"] == 0
+
+
+def test_failed_force_keeps_the_previous_output(converted, tmp_path) -> None:
+    import shutil
+
+    import qwen2om.convert as conv
+
+    out = tmp_path / "out"
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    before = sha256_file(out / "manifest.json")
+    original = conv.build_manifest
+    conv.build_manifest = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert("builtin:tiny-qwen3", out, overrides=["max_seq_len=64", "prefill_chunk=16"], force=True)
+    finally:
+        conv.build_manifest = original
+    assert sha256_file(out / "manifest.json") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch) -> None:
+    """The window between moving the old OUT aside and moving the new one in is covered too."""
+    from qwen2om.errors import Qwen2omError
+    from qwen2om.output import staged_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("old")
+    real_rename = Path.rename
+
+    def rename(self: Path, target: Path) -> Path:
+        if Path(target) == out and ".partial-" in self.name:
+            raise OSError(18, "Invalid cross-device link")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(Qwen2omError, match="cannot move the finished output"):
+        with staged_output(out, force=True) as stage:
+            (stage / "manifest.json").write_text("new")
+    assert (out / "manifest.json").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

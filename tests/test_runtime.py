@@ -90,10 +90,32 @@ def test_chat_format_matches_the_tokenizer_template(engine: Engine, converted) -
     assert engine.encode("x", chat=True)[0] == 151644  # <|im_start|>
 
 
-def test_cache_full_is_an_error_not_a_crash(engine: Engine) -> None:
+def test_capacity_is_exact(engine: Engine) -> None:
+    """A prompt of exactly `capacity` tokens fits (one token can still be sampled); one more does not."""
     engine.reset()
     with pytest.raises(RuntimeInputError, match="capacity"):
-        engine.prefill([[5] * engine.capacity])
+        engine.prefill([[5] * (engine.capacity + 1)])
+    engine.reset()
+    engine.prefill([[5] * engine.capacity])
+    with pytest.raises(RuntimeInputError, match="exceed the capacity"):
+        engine.step([5])
+    out, stats = engine.generate([5] * engine.capacity, max_new_tokens=3, sampling=Sampling(0.0))
+    assert len(out) == 1 and stats.stop == "cache full"
+
+
+def test_sampling_edge_cases() -> None:
+    logits = np.array([0.0, 3.0, 1.0])
+    assert Sampling(1.0, top_k=1000, seed=0).pick(logits) in (0, 1, 2)  # top_k above the vocabulary
+    assert {Sampling(1.0, top_p=0.0, seed=s).pick(logits) for s in range(20)} == {1}  # top_p 0: argmax
+    assert engine_free_generate_zero_tokens() == []
+
+
+def engine_free_generate_zero_tokens() -> list[int]:
+    from qwen2om.runtime.standalone import Engine as E
+
+    e = E.__new__(E)  # generate() with 0 tokens must not touch the model at all
+    e.reset = lambda: None  # type: ignore[method-assign]
+    return e.generate([1, 2], max_new_tokens=0, sampling=Sampling(0.0))[0]
 
 
 def test_run_cli_streams_and_reports_speed(converted, cli) -> None:

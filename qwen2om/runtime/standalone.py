@@ -49,7 +49,7 @@ class Sampling:
         if self.temperature <= 0:
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / self.temperature
-        if self.top_k > 0:
+        if 0 < self.top_k < len(z):
             kth = np.partition(z, -self.top_k)[-self.top_k]
             z = np.where(z < kth, -np.inf, z)
         p = np.exp(z - z.max())
@@ -57,6 +57,7 @@ class Sampling:
         if self.top_p < 1.0:
             order = np.argsort(-p)
             keep = np.cumsum(p[order]) - p[order] < self.top_p
+            keep[0] = True  # the most likely token always stays, whatever top_p is
             mask = np.zeros_like(p, dtype=bool)
             mask[order[keep]] = True
             p = np.where(mask, p, 0.0)
@@ -192,8 +193,10 @@ class Engine:
         if len(prompts) != self.batch:
             raise RuntimeInputError(f"the model was compiled for batch {self.batch}, got {len(prompts)} prompts")
         for b, toks in enumerate(prompts):
+            if not toks:
+                raise RuntimeInputError("the prompt is empty: there is nothing to continue")
             self.check_ids(toks)
-            if self.lengths[b] + len(toks) >= self.capacity:
+            if self.lengths[b] + len(toks) > self.capacity:
                 raise RuntimeInputError(
                     f"prompt of {len(toks)} tokens does not fit the cache capacity {self.capacity} "
                     "(convert with a larger --max-seq-len, or pass --truncate)")
@@ -230,11 +233,10 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=False).ids
 
     def fit(self, ids: list[int], max_new_tokens: int, truncate: bool) -> list[int]:
-        """Drop the oldest prompt tokens so prompt + new tokens fit, when asked to."""
-        room = self.capacity - max(1, min(max_new_tokens, self.capacity // 2))
-        if len(ids) < self.capacity or not truncate:
-            return ids
-        return ids[-room:]
+        """With `truncate`, drop the oldest prompt tokens so the prompt and the new tokens fit the cache
+        (the prompt keeps at least half of it); without, return `ids` unchanged."""
+        room = max(1, self.capacity - min(max(max_new_tokens, 1), self.capacity // 2))
+        return ids[-room:] if truncate and len(ids) + max_new_tokens > self.capacity else ids
 
     def generate(self, ids: list[int], *, max_new_tokens: int, sampling: Sampling,
                  on_token: Callable[[int], None] = lambda t: None, ignore_eos: bool = False,
@@ -242,6 +244,9 @@ class Engine:
         """Greedy or sampled continuation of one prompt (batch-1 models; rows >0 mirror row 0)."""
         self.reset()
         stats = Stats(prompt_tokens=len(ids))
+        if max_new_tokens < 1:
+            stats.stop = "max_new_tokens"
+            return [], stats
         t0 = time.perf_counter()
         logits = self.prefill([ids] * self.batch)[0]
         stats.prefill_s = time.perf_counter() - t0
@@ -308,7 +313,6 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     try:
         engine = Engine(model_dir or a.model_dir, threads=a.threads)
         ids = [int(x) for x in a.ids.split(",")] if a.ids else engine.encode(a.prompt, chat=a.chat, system=a.system)
-        engine.check_ids(ids)
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
