@@ -8,6 +8,8 @@ graphs point at the same offset. Offsets are 4 KiB-aligned so runtimes can memor
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO, ClassVar
 
@@ -32,14 +34,15 @@ class SharedData:
         self.index: dict[tuple[str, str], tuple[int, int]] = {}
         self.by_name: dict[str, tuple[int, int]] = {}
 
-    def append(self, name: str, data: memoryview | bytes) -> tuple[int, int]:
-        """Write `data` at the next aligned offset (no copy of the caller's buffer)."""
+    def append(self, name: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, int]:
+        """Write the chunks back to back at the next aligned offset (no copies of the buffers)."""
         pad = -self.offset % ALIGN
         self.fh.write(b"\0" * pad)
-        self.offset += pad
-        self.fh.write(data)
-        self.by_name[name] = (self.offset, len(data))
-        self.offset += len(data)
+        start = self.offset = self.offset + pad
+        for chunk in chunks:
+            self.fh.write(chunk)
+            self.offset += len(chunk)
+        self.by_name[name] = (start, self.offset - start)
         return self.by_name[name]
 
     def put(self, name: str, data: bytes) -> tuple[int, int, bool]:
@@ -47,7 +50,7 @@ class SharedData:
         key = (name, hashlib.sha256(data).hexdigest())
         if key in self.index:
             return (*self.index[key], False)
-        self.index[key] = self.append(name, data)
+        self.index[key] = self.append(name, [data])
         return (*self.index[key], True)
 
 
@@ -84,11 +87,16 @@ class WriteOnnx:
                         shared += 1
                         continue
                     if tensor is None:  # a weight: read it from the checkpoint now, write it once
-                        array = weights.value(bindings, init.name).numpy()
-                        if array.nbytes < self.inline_limit:
-                            init.const_value = ir.tensor(array, name=init.name)
-                            continue
-                        offset, length = data.append(init.name, memoryview(array).cast("B"))
+                        nbytes = init.dtype.itemsize * math.prod(init.shape.numpy())
+                        if init.name in weights.constants or nbytes < self.inline_limit:
+                            array = weights.value(bindings, init.name).numpy()
+                            if nbytes < self.inline_limit:
+                                init.const_value = ir.tensor(array, name=init.name)
+                                continue
+                            offset, length = data.append(init.name, [memoryview(array).cast("B")])
+                        else:
+                            chunks = (memoryview(b.numpy()).cast("B") for b in weights.blocks(bindings[init.name]))
+                            offset, length = data.append(init.name, chunks)
                         stored += 1
                     elif tensor.nbytes < self.inline_limit:
                         continue

@@ -10,7 +10,7 @@ code builds a real torch model (used to check the static model itself against tr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -48,6 +48,20 @@ class Weights:
         """A computed constant (RoPE tables): kept here, a meta placeholder in lazy mode."""
         self.constants[name] = value
         return torch.empty(value.shape, dtype=value.dtype, device="meta") if self.lazy else value
+
+    def blocks(self, ref: WeightRef, block_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """The converted tensor as consecutive row blocks of at most ~`block_bytes`: a transposed
+        [vocab, hidden] LM head never exists whole in the compute dtype."""
+        src = self.read(ref.source)
+        out = src.T if ref.transpose else src
+        rows = out.shape[0] if out.dim() else 1
+        row_bytes = max(1, out[0].numel() * torch.finfo(self.dtype).bits // 8) if out.dim() else 1
+        step = max(1, block_bytes // row_bytes)
+        if out.dim() == 0 or step >= rows:
+            yield out.to(self.dtype).contiguous()
+            return
+        for i in range(0, rows, step):
+            yield out[i:i + step].to(self.dtype).contiguous()
 
     def materialize(self, ref: WeightRef) -> torch.Tensor:
         t = self.read(ref.source).to(self.dtype)

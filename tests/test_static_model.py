@@ -9,7 +9,7 @@ from qwen2om.arch import ARCHS, ModelDims
 from qwen2om.fixtures.tiny import TINY, build_tiny_model
 from qwen2om.rope import rope_tables
 from qwen2om.static_model import StaticQwen
-from qwen2om.weights import Weights
+from qwen2om.weights import WeightRef, Weights
 
 
 def static_from_hf(model: torch.nn.Module, capacity: int, *, lazy: bool = False) -> tuple[StaticQwen, Weights]:
@@ -57,3 +57,14 @@ def test_lazy_model_holds_no_weights() -> None:
     assert bindings["lm_head.weight"].source == "model.embed_tokens.weight" and bindings["lm_head.weight"].transpose
     q = weights.value(bindings, "model.layers.0.self_attn.q_proj.weight")
     assert torch.equal(q, hf.state_dict()["model.layers.0.self_attn.q_proj.weight"].T)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_weight_blocks_concatenate_to_the_whole(transpose: bool) -> None:
+    """Large weights are written in row blocks; together they are exactly the converted tensor."""
+    src = torch.randn(37, 11).to(torch.bfloat16)
+    w = Weights({"t": src}.__getitem__, {"t": (37, 11)}, torch.float32, lazy=True)
+    ref = WeightRef("t", transpose)
+    blocks = list(w.blocks(ref, block_bytes=3 * (37 if transpose else 11) * 4))
+    assert len(blocks) > 1 and all(b.dtype == torch.float32 and b.is_contiguous() for b in blocks)
+    assert torch.equal(torch.cat(blocks), w.materialize(ref))
