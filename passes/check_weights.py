@@ -1,4 +1,4 @@
-"""Scan every weight for NaN/Inf, one tensor at a time, before any export work."""
+"""Read every shard once before any export work: content hashes and a NaN/Inf scan."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 @register
 class CheckWeights:
-    """Fail naming the tensor when a weight holds NaN or Inf."""
+    """sha256 of every shard (what `--resume` and the manifest compare) and a NaN/Inf check of every weight."""
 
     name: ClassVar[str] = "check_weights"
     requires: ClassVar[tuple[str, ...]] = ("checkpoint",)
-    produces: ClassVar[tuple[str, ...]] = ("weights_checked",)
+    produces: ClassVar[tuple[str, ...]] = ("weights_checked", "source_hashes")
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt = ws.need("checkpoint")
-        names = list(expected_tensors(ckpt.arch, ckpt.dims))
-        for i, name in enumerate(names):
-            ckpt.check_finite(name)
-            ctx.progress("checking weights", i + 1, len(names))
-        ws["weights_checked"] = True
-        return PassResult(False, {"tensors_checked": len(names)})
+        names = set(expected_tensors(ckpt.arch, ckpt.dims))
+        hashes = ckpt.scan(names, workers=ctx.workers,
+                           progress=lambda done, total: ctx.progress("reading shards", done, total, unit="bytes"))
+        ctx.journal.check_sources(hashes)
+        ws["weights_checked"], ws["source_hashes"] = True, hashes
+        return PassResult(False, {"tensors_checked": len(names), "shards_hashed": len(hashes)})

@@ -27,7 +27,7 @@ class BuildStaticModel:
         dtype = TORCH_DTYPES[r.dtype]
         cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
         shapes = {name: ckpt.shape(name) for name in ckpt.names()}
-        weights = Weights(ckpt.get, shapes, dtype, lazy=True)
+        weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
         model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last").eval()
         ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
         params = sum(p.numel() for p in model.parameters())

@@ -1,22 +1,27 @@
 """Lazy, validated access to a Hugging Face checkpoint directory.
 
-Tensors are read one at a time from memory-mapped safetensors shards (single file or sharded
-with an index), so opening a checkpoint costs its headers, not its weights.
+Tensors are read one at a time, or in row slices, with positioned reads from safetensors shards
+(single file or sharded with an index), so opening a checkpoint costs its headers, not its
+weights, and resident memory never holds more than the tensors in hand (see safetensors_io).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from qwen2om.arch import ArchSpec, ModelDims, expected_tensors, resolve_arch
 from qwen2om.errors import CheckpointError
+from qwen2om.safetensors_io import Shard, TensorInfo
+
+SCAN_BLOCK = 16 << 20
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -45,7 +50,7 @@ class Checkpoint:
         self.config = read_json(self.root / "config.json", "config.json")
         self.arch: ArchSpec = resolve_arch(self.config, str(self.root / "config.json"))
         self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
-        self._handles: dict[Path, Any] = {}
+        self._handles: dict[Path, Shard] = {}
         self._where = self._locate_tensors()
 
     # -- discovery -------------------------------------------------------------------------
@@ -66,22 +71,19 @@ class Checkpoint:
                 raise CheckpointError(f"{self.root}: no *.safetensors weights and no {INDEX_FILE}")
             where = {}
             for shard in shards:
-                for name in self._open(shard).keys():
+                for name in self._open(shard).tensors:
                     where[name] = shard
         # Open every shard now so a truncated or corrupt file fails before any work.
         for shard in sorted(set(where.values())):
-            present = set(self._open(shard).keys())
+            present = set(self._open(shard).tensors)
             for name, path in where.items():
                 if path == shard and name not in present:
                     raise CheckpointError(f"{shard}: the index says it holds {name!r}, but it does not")
         return where
 
-    def _open(self, shard: Path) -> Any:
+    def _open(self, shard: Path) -> Shard:
         if shard not in self._handles:
-            try:
-                self._handles[shard] = safe_open(str(shard), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{shard}: not a readable safetensors file ({e})") from None
+            self._handles[shard] = Shard(shard)
         return self._handles[shard]
 
     @cached_property
@@ -99,9 +101,15 @@ class Checkpoint:
     def __contains__(self, name: object) -> bool:
         return name in self._where
 
+    @property
+    def shards(self) -> list[Path]:
+        return sorted(set(self._where.values()))
+
+    def info(self, name: str) -> TensorInfo:
+        return self._open(self._shard(name)).tensors[name]
+
     def shape(self, name: str) -> tuple[int, ...]:
-        sl = self._open(self._shard(name)).get_slice(name)
-        return tuple(int(x) for x in sl.get_shape())
+        return self.info(name).shape
 
     def _shard(self, name: str) -> Path:
         try:
@@ -110,13 +118,9 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: tensor {name!r} is missing from the checkpoint") from None
 
     # -- access ----------------------------------------------------------------------------
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor, converted to `dtype` (bf16 never leaves this method when a dtype is given)."""
-        shard = self._shard(name)
-        try:
-            t = self._open(shard).get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e})") from None
+    def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or rows [r0, r1) of it), converted to `dtype` when one is given."""
+        t = self._open(self._shard(name)).read(name, rows)
         return t if dtype is None else t.to(dtype)
 
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
@@ -131,19 +135,50 @@ class Checkpoint:
                 )
         return want
 
-    def check_finite(self, name: str) -> None:
-        """Raise naming the tensor if it holds NaN or Inf."""
-        t = self.get(name)
-        if not t.is_floating_point():
-            return
-        # Row blocks of ~16M elements: isfinite on a whole embedding makes large temporaries.
-        flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
-        rows = max(1, (1 << 24) // max(1, flat.shape[1]))
-        bad = sum(int((~torch.isfinite(flat[i:i + rows])).sum()) for i in range(0, flat.shape[0], rows))
-        if bad:
-            raise CheckpointError(
-                f"{self._where[name]}: tensor {name!r} has {bad} non-finite values (NaN/Inf) of {math.prod(t.shape)}"
-            )
+    def scan(self, names: set[str], *, workers: int = 1,
+             progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
+        """Read every shard once, start to end: its sha256, and a NaN/Inf check of the float tensors
+        in `names`. Shards are independent, so `workers` of them are read at the same time.
+        Raises naming the tensor; returns {shard path relative to the checkpoint: sha256}."""
+        total = sum(p.stat().st_size for p in self.shards)
+        done = 0
+
+        def bytes_read(n: int) -> None:
+            nonlocal done
+            done += n  # += on an int under the GIL is safe enough for a progress bar
+            progress(done, total)
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            hashes = list(pool.map(lambda p: self._scan_shard(p, names, bytes_read), self.shards))
+        return {str(p.relative_to(self.root)): h for p, h in zip(self.shards, hashes, strict=True)}
+
+    def _scan_shard(self, path: Path, names: set[str], bytes_read: Callable[[int], None]) -> str:
+        shard = self._open(path)
+        h = hashlib.sha256()
+        h.update(shard.read_bytes(0, shard.data_start))
+        pos = shard.data_start
+        for info in sorted(shard.tensors.values(), key=lambda t: t.begin):
+            if info.begin > pos:  # bytes between tensors still belong to the file's hash
+                h.update(shard.read_bytes(pos, info.begin - pos))
+            rows = info.shape[0] if info.shape else 1
+            step = max(1, SCAN_BLOCK // max(1, info.row_bytes))
+            check = info.name in names and info.dtype.is_floating_point
+            bad = 0
+            for r0 in range(0, rows, step):
+                block = shard.read(info.name, (r0, min(rows, r0 + step))) if info.shape else shard.read(info.name)
+                h.update(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+                if check and not bool(torch.isfinite(block).all()):
+                    bad += int((~torch.isfinite(block)).sum())
+                bytes_read(block.numel() * info.dtype.itemsize)
+            if bad:
+                raise CheckpointError(f"{path}: tensor {info.name!r} has {bad} non-finite values (NaN/Inf) "
+                                      f"of {info.nbytes // info.dtype.itemsize}")
+            pos = max(pos, info.end)
+        if pos < shard.size:
+            h.update(shard.read_bytes(pos, shard.size - pos))
+        return h.hexdigest()
 
     def close(self) -> None:
+        for shard in self._handles.values():
+            shard.close()
         self._handles.clear()

@@ -11,8 +11,19 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.runtime.standalone import RuntimeInputError
@@ -27,19 +38,33 @@ out_console = Console()
 err = Console(stderr=True)
 
 
+class CountColumn(ProgressColumn):
+    """`12/28` for counts, `1.2/6.8 GB` for a bar whose unit is bytes."""
+
+    def render(self, task: Any) -> Text:
+        if task.fields.get("unit") == "bytes":
+            return DownloadColumn().render(task)
+        return MofNCompleteColumn().render(task)
+
+
+class RateColumn(ProgressColumn):
+    def render(self, task: Any) -> Text:
+        return TransferSpeedColumn().render(task) if task.fields.get("unit") == "bytes" else Text("")
+
+
 @contextmanager
-def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback `(label, done, total)` drawing one rich bar per label."""
+def progress_bar(enabled: bool = True) -> Iterator[Callable[..., None]]:
+    """A progress callback `(label, done, total, unit="")` drawing one rich bar per label."""
     if not enabled or not err.is_terminal:
-        yield lambda label, done, total: None
+        yield lambda label, done, total, unit="": None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bars:
+    with Progress(TextColumn("{task.description}"), BarColumn(), CountColumn(), RateColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bars:
         tasks: dict[str, Any] = {}
 
-        def update(label: str, done: int, total: int) -> None:
+        def update(label: str, done: int, total: int, unit: str = "") -> None:
             if label not in tasks:
-                tasks[label] = bars.add_task(label, total=total)
+                tasks[label] = bars.add_task(label, total=total, unit=unit)
             bars.update(tasks[label], completed=done, total=total)
 
         yield update
@@ -66,11 +91,26 @@ def convert(
     prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="static batch size (default 1)")] = None,
     target: Annotated[str | None, typer.Option(help="compile target: ort")] = None,
-    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists (and discard an interrupted "
+                                        "run's work)")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion into OUT: finished "
+                                         "tensors are re-checked by hash and kept; source shards must be "
+                                         "unchanged")] = False,
+    workers: Annotated[int | None, typer.Option(help="threads for reading, converting, writing and hashing "
+                                                "(default: all cores; capped at them)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the manifest summary as JSON")] = False,
 ) -> None:
-    """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py)."""
+    """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py).
+
+    OUT appears whole or not at all. Memory stays flat in the model size (weights are streamed).
+    Interrupted (Ctrl-C, kill, full disk)? Rerun the same command with --resume.
+    """
+    import signal
+
     from qwen2om.convert import convert as run_convert
+
+    # `kill` (SIGTERM) stops a conversion as cleanly as Ctrl-C: finished work kept for --resume.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     overrides = list(set_ or [])
     for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
@@ -78,7 +118,8 @@ def convert(
         if value is not None:
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:
-        result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, progress=progress,
+        result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,
+                             workers=workers, progress=progress, log=lambda m: err.print(f"[yellow]note:[/] {m}"),
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
@@ -181,13 +222,14 @@ def main() -> None:
     try:
         app()
     except Qwen2omError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        color = "yellow" if e.label == "interrupted" else "red"
+        err.print(f"[{color}]{e.label}:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except RuntimeInputError as e:  # the standalone runtime's own error type (it cannot import qwen2om)
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        err.print("interrupted: nothing was written to the output directory")
+        err.print("interrupted")
         sys.exit(130)
 
 

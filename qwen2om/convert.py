@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,10 +13,11 @@ import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import read_json
-from qwen2om.errors import RecipeError
+from qwen2om.errors import DiskFullError, Interrupted, RecipeError
+from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.write_onnx import graph_file
-from qwen2om.pipeline import RunContext, StepReport, Workspace, run_pipeline
+from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
 from qwen2om.recipe import DTYPES, Recipe, apply_overrides, load_recipe
 
 LAYOUT = {
@@ -49,22 +52,75 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
     return r.resolved(dims.max_positions), dims
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def choose_workers(asked: int | None, log: Callable[[str], None]) -> int:
+    """`--workers N`, capped at the cores this process may use (said when capped); default: all of them."""
+    cores = available_cores()
+    if asked is None:
+        return cores
+    if asked < 1:
+        raise RecipeError(f"--workers must be at least 1 (got {asked})")
+    if asked > cores:
+        log(f"--workers {asked} is more than the {cores} cores available here; using {cores}")
+        return cores
+    return asked
+
+
 def convert(
     model: str | Path, out: Path, *, recipe: str | None = None, overrides: list[str] | None = None,
-    force: bool = False, progress: Callable[[str, int, int], None] = lambda *a: None,
+    force: bool = False, resume: bool = False, workers: int | None = None,
+    progress: Callable[..., None] = no_progress,
     log: Callable[[str], None] = lambda m: None, on_step: Callable[[StepReport], None] = lambda r: None,
 ) -> ConvertResult:
+    """Convert `model` into the output directory `out`, atomically; see the module docstring.
+
+    An interrupted run (Ctrl-C, SIGKILL, full disk) keeps its finished work in a staging
+    directory next to `out`; the same call with `resume=True` continues it.
+    """
     source = resolve_model(model)
     r, dims = choose_recipe(source, recipe, list(overrides or []))
+    n_workers = choose_workers(workers, log)
     tools = tool_versions()
-    with staged_output(Path(out), force=force) as stage:
-        ctx = RunContext(recipe=r, stage_dir=stage, source=source, tool_version=tools["qwen2om"],
-                         progress=progress, log=log)
-        ws = Workspace()
-        steps = run_pipeline(r.pipeline, ws, ctx, on_step)
-        manifest = build_manifest(str(model), source, r, dims, ws, steps, tools)
-        write_manifest(stage, manifest)
-    return ConvertResult(Path(out), r, steps, manifest)
+    key = {"model": str(model), "source": str(source), "recipe": r.to_dict(), "tools": tools}
+    out = Path(out)
+    with staged_output(out, force=force, resume=resume, log=log) as stage:
+        try:
+            journal = Journal.open(stage, key, resume=resume)
+            ctx = RunContext(recipe=r, stage_dir=stage, source=source, tool_version=tools["qwen2om"],
+                             progress=progress, log=log, workers=n_workers, journal=journal)
+            ws = Workspace()
+            steps = run_pipeline(r.pipeline, ws, ctx, on_step)
+            manifest = build_manifest(str(model), source, r, dims, ws, steps, tools)
+            journal.remove()
+            write_manifest(stage, manifest, n_workers)
+        except KeyboardInterrupt:
+            raise Interrupted(f"{out} was not written; finished work is kept in {stage}: rerun the same command "
+                              "with --resume to continue") from None
+        except OSError as e:
+            where = e.filename or stage
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise DiskFullError(f"no space left while writing {where} ({e.strerror}); finished work is kept in "
+                                    f"{stage}: free space, then rerun the same command with --resume") from None
+            raise DiskFullError(f"cannot write {where} ({e.strerror or e}); finished work is kept in {stage}: "
+                                "fix the problem, then rerun the same command with --resume") from None
+    return ConvertResult(out, r, steps, manifest)
+
+
+def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any]]:
+    """Every file read, with its hash; shards were hashed by check_weights, so not read twice."""
+    hashed = ws.get("source_hashes", {})
+    entries = []
+    for p in sorted(ckpt.files):
+        name = str(p.relative_to(source))
+        sha = hashed.get(name) or file_entries(source, [p])[0]["sha256"]
+        entries.append({"name": name, "bytes": p.stat().st_size, "sha256": sha})
+    return entries
 
 
 def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
@@ -85,7 +141,7 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
     return {
         "format_version": FORMAT_VERSION,
         "tools": tools,
-        "source": {"model": model, "path": str(source), "files": file_entries(source, ckpt.files)},
+        "source": {"model": model, "path": str(source), "files": source_entries(source, ckpt, ws)},
         "architecture": ckpt.arch.name,
         "dims": dataclasses.asdict(dims),
         "recipe": r.to_dict(),

@@ -11,6 +11,8 @@ class Qwen2omError(Exception):
     """A problem with the user's input or environment, described well enough to fix it."""
 
     exit_code = 2
+    keep_partial = False  # True: the staging directory holds work --resume can continue
+    label = "error"
 
 
 class CheckpointError(Qwen2omError):
@@ -28,3 +30,17 @@ class PlanError(Qwen2omError):
 class OutputExistsError(Qwen2omError):
     """The output directory exists and --force was not given."""
 
+
+
+class Interrupted(Qwen2omError):
+    """Ctrl-C or SIGTERM: the output was not written; what was finished is kept for --resume."""
+
+    exit_code = 130
+    keep_partial = True
+    label = "interrupted"
+
+
+class DiskFullError(Qwen2omError):
+    """The disk filled while writing; finished work is kept for --resume once space exists."""
+
+    keep_partial = True

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,21 @@ TOOLS = ("qwen2om", "torch", "transformers", "onnx", "onnxruntime", "onnxscript"
          "tokenizers", "numpy")
 
 
-@contextlib.contextmanager
-def staged_output(out: Path, *, force: bool) -> Iterator[Path]:
-    """A temporary sibling of `out` that becomes `out` only if the block succeeds.
+def partial_dir(out: Path) -> Path:
+    """Where a conversion into `out` is staged: a hidden sibling with a fixed name, so that an
+    interrupted run can be found and continued (`--resume`)."""
+    return out.parent / f".{out.name}.partial"
 
-    On any failure, Ctrl-C included, the sibling is removed and `out` is left as it was.
+
+@contextlib.contextmanager
+def staged_output(out: Path, *, force: bool, resume: bool = False,
+                  log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
+    """A staging sibling of `out` that becomes `out` only if the block succeeds.
+
+    `out` is never half-written: it appears whole, by one rename, or not at all; with --force a
+    failed run leaves the previous `out` in place. The staging directory is removed when the
+    input was bad (nothing there is worth keeping) and kept after an interrupt, a full disk or
+    any other failure with finished work in it, for `--resume`.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -36,27 +47,43 @@ def staged_output(out: Path, *, force: bool) -> Iterator[Path]:
         # --force replaces an earlier output, never an arbitrary folder (think `-o ~ --force`).
         raise OutputExistsError(
             f"{out} is not empty and holds no {MANIFEST}: refusing to replace it, even with --force")
+    stage = partial_dir(out)
+    if stage.exists() and not resume and not force:
+        raise OutputExistsError(f"an interrupted conversion into {out} is kept in {stage}: rerun with --resume "
+                                "to continue it, or with --force to start over")
+    if stage.exists() and resume:
+        log(f"resuming the interrupted conversion kept in {stage}")
+    elif resume:
+        log(f"nothing to resume ({stage} does not exist): starting from the beginning")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        if stage.exists() and not resume:
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True, exist_ok=True)
+        lock = os.open(stage, os.O_RDONLY)
     except OSError as e:
-        raise Qwen2omError(f"cannot create the output directory next to {out}: {e.strerror or e}") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    stage.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+        raise Qwen2omError(f"cannot create the staging directory {stage}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        raise OutputExistsError(f"another qwen2om is writing {stage}; wait for it to finish") from None
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         yield stage
-        if out.exists():
-            out.rename(old)
-        stage.rename(out)
+        try:
+            if out.exists():
+                out.rename(old)
+            stage.rename(out)
+        except OSError as e:
+            raise Qwen2omError(f"cannot move the finished output into place at {out}: {e.strerror or e}") from None
     except BaseException as e:
-        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, Qwen2omError) and not e.keep_partial:
+            shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)  # put the previous output back: a failed --force run changes nothing
-        if isinstance(e, OSError):
-            raise Qwen2omError(f"cannot move the finished output into place at {out}: {e.strerror or e}") from None
         raise
+    finally:
+        os.close(lock)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -68,9 +95,12 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def file_entries(root: Path, paths: list[Path]) -> list[dict[str, Any]]:
-    return [{"name": str(p.relative_to(root)), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(paths)]
+def file_entries(root: Path, paths: list[Path], workers: int = 1) -> list[dict[str, Any]]:
+    paths = sorted(paths)
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib releases the GIL on large reads
+        hashes = list(pool.map(sha256_file, paths))
+    return [{"name": str(p.relative_to(root)), "bytes": p.stat().st_size, "sha256": h}
+            for p, h in zip(paths, hashes, strict=True)]
 
 
 def tool_versions() -> dict[str, str]:
@@ -83,10 +113,10 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def write_manifest(stage: Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(stage: Path, manifest: dict[str, Any], workers: int = 1) -> Path:
     """List every file in `stage` with its hash, then write manifest.json (not listed in itself)."""
     written = [p for p in stage.rglob("*") if p.is_file() and p.name != MANIFEST]
-    manifest["files"] = file_entries(stage, written)
+    manifest["files"] = file_entries(stage, written, workers)
     path = stage / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     return path

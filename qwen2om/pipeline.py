@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from qwen2om.errors import PlanError, Qwen2omError
+from qwen2om.journal import Journal
 from qwen2om.registry import Registry
 
 Stats = dict[str, int | float | str]
@@ -26,16 +27,23 @@ class PassResult:
     stats: Stats = dataclasses.field(default_factory=dict)
 
 
+def no_progress(label: str, done: int, total: int, *, unit: str = "") -> None:
+    """Progress callback signature: `unit="bytes"` makes a bar show sizes instead of counts."""
+
+
 @dataclasses.dataclass
 class RunContext:
-    """What every pass may read: the resolved recipe, the staging directory, progress hooks."""
+    """What every pass may read: the resolved recipe, the staging directory, progress hooks,
+    how many threads it may use, and the journal that lets an interrupted run resume."""
 
     recipe: Any
     stage_dir: Path
     source: Path
     tool_version: str = ""
-    progress: Callable[[str, int, int], None] = lambda label, done, total: None
+    progress: Callable[..., None] = no_progress
     log: Callable[[str], None] = lambda msg: None
+    workers: int = 1
+    journal: Journal = dataclasses.field(default_factory=Journal)
 
 
 class Workspace(dict[str, Any]):

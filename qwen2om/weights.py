@@ -2,14 +2,15 @@
 
 The static model is built with `Weights.param(...)` instead of tensors. In lazy mode (what
 `convert` uses) every parameter is a meta tensor: the exporter traces the graph structure
-without a byte of weights in memory, and `write_onnx` later asks `Weights.materialize` for each
-initializer, one at a time, straight from the memory-mapped checkpoint. In eager mode the same
+without a byte of weights in memory, and `write_onnx` later asks `Weights.pieces` for each
+initializer, one slice at a time, straight from the memory-mapped checkpoint. In eager mode the same
 code builds a real torch model (used to check the static model itself against transformers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,9 +28,11 @@ class WeightRef:
 class Weights:
     """Hands out parameters in the compute dtype and remembers where each came from."""
 
-    def __init__(self, read: Callable[[str], torch.Tensor], shapes: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, *, lazy: bool) -> None:
-        self.read, self.shapes, self.dtype, self.lazy = read, shapes, dtype, lazy
+    def __init__(self, read: Callable[..., torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                 dtype: torch.dtype, *, lazy: bool, sliced: bool = False) -> None:
+        """`read(name)` returns a source tensor; with `sliced`, `read(name, rows=(r0, r1))` returns
+        rows of it without reading the rest (Checkpoint.get does)."""
+        self.read, self.shapes, self.dtype, self.lazy, self.sliced = read, shapes, dtype, lazy, sliced
         self._refs: dict[int, WeightRef] = {}
         self.constants: dict[str, torch.Tensor] = {}
 
@@ -49,19 +52,28 @@ class Weights:
         self.constants[name] = value
         return torch.empty(value.shape, dtype=value.dtype, device="meta") if self.lazy else value
 
-    def blocks(self, ref: WeightRef, block_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
-        """The converted tensor as consecutive row blocks of at most ~`block_bytes`: a transposed
-        [vocab, hidden] LM head never exists whole in the compute dtype."""
-        src = self.read(ref.source)
-        out = src.T if ref.transpose else src
-        rows = out.shape[0] if out.dim() else 1
-        row_bytes = max(1, out[0].numel() * torch.finfo(self.dtype).bits // 8) if out.dim() else 1
+    def pieces(self, ref: WeightRef, block_bytes: int = 64 << 20) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The converted tensor in pieces of about `block_bytes`, as (axis, start, piece).
+
+        axis 0: `piece` is rows [start, start+n) of the output, a contiguous byte range of it;
+        axis 1: `piece` is columns [start, start+n) of a transposed weight too large to convert
+        whole. Only row slices of the source are ever read, so neither the source nor the
+        output (a [hidden, vocab] LM head in fp32) has to fit in memory at once."""
+        shape = self.shapes[ref.source]
+        itemsize = torch.finfo(self.dtype).bits // 8
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, (math.prod(shape[1:]) if shape else 1) * itemsize)
         step = max(1, block_bytes // row_bytes)
-        if out.dim() == 0 or step >= rows:
-            yield out.to(self.dtype).contiguous()
+        if not shape or rows <= step:  # small enough to convert whole
+            t = self.read(ref.source).to(self.dtype)
+            yield 0, 0, (t.T if ref.transpose else t).contiguous()
             return
-        for i in range(0, rows, step):
-            yield out[i:i + step].to(self.dtype).contiguous()
+        for r0 in range(0, rows, step):
+            t = self.read_rows(ref.source, r0, min(rows, r0 + step)).to(self.dtype)
+            yield (1, r0, t.T.contiguous()) if ref.transpose else (0, r0, t.contiguous())
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        return self.read(name, rows=(r0, r1)) if self.sliced else self.read(name)[r0:r1]
 
     def materialize(self, ref: WeightRef) -> torch.Tensor:
         t = self.read(ref.source).to(self.dtype)

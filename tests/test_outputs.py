@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from qwen2om.convert import convert
+from qwen2om.errors import CheckpointError, Interrupted, OutputExistsError
 from qwen2om.output import sha256_file
 
 
@@ -92,9 +93,12 @@ def test_conversion_is_deterministic(converted, tmp_path) -> None:
         assert sha256_file(first / name) == sha256_file(again / name), name
 
 
-def test_failed_conversion_leaves_nothing(tmp_path, checkpoint) -> None:
-    """A failure late in the pipeline (after files were staged) leaves no OUT and no partial sibling."""
+def test_interrupted_conversion_writes_no_output_and_resumes(tmp_path, checkpoint) -> None:
+    """Ctrl-C at the very last step: no OUT, the finished work kept in the hidden staging sibling;
+    the same call with resume=True completes it and leaves nothing else behind."""
     import qwen2om.convert as conv
+    from qwen2om.errors import Interrupted
+    from qwen2om.output import partial_dir
 
     out = tmp_path / "out"
     recipe = tmp_path / "r.yaml"
@@ -107,11 +111,36 @@ def test_failed_conversion_leaves_nothing(tmp_path, checkpoint) -> None:
 
     conv.build_manifest = explode
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Interrupted, match="--resume"):
             convert("builtin:tiny-qwen3", out, recipe=str(recipe))
     finally:
         conv.build_manifest = original
-    assert list(tmp_path.iterdir()) == [recipe]
+    assert sorted(tmp_path.iterdir()) == sorted([recipe, partial_dir(out)])
+    with pytest.raises(OutputExistsError, match="--resume"):
+        convert("builtin:tiny-qwen3", out, recipe=str(recipe))
+    result = convert("builtin:tiny-qwen3", out, recipe=str(recipe), resume=True)
+    assert result.manifest["stages"][-1]["pass"] == "package"
+    assert sorted(tmp_path.iterdir()) == sorted([recipe, out])
+    assert not (out / "journal.json").exists()
+
+
+def test_bad_input_leaves_nothing(tmp_path, checkpoint) -> None:
+    """An error in the input (here a pass argument that fails late) removes the staging directory."""
+    import qwen2om.convert as conv
+
+    out = tmp_path / "out"
+    original = conv.build_manifest
+
+    def bad(*a, **k):
+        raise CheckpointError("simulated bad input")
+
+    conv.build_manifest = bad
+    try:
+        with pytest.raises(CheckpointError):
+            convert("builtin:tiny-qwen3", out, overrides=["max_seq_len=64", "prefill_chunk=16"])
+    finally:
+        conv.build_manifest = original
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_data_file_is_aligned_and_shared(converted) -> None:
@@ -162,12 +191,12 @@ def test_failed_force_keeps_the_previous_output(converted, tmp_path) -> None:
     original = conv.build_manifest
     conv.build_manifest = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Interrupted):
             convert("builtin:tiny-qwen3", out, overrides=["max_seq_len=64", "prefill_chunk=16"], force=True)
     finally:
         conv.build_manifest = original
     assert sha256_file(out / "manifest.json") == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "out"]  # kept for --resume
 
 
 def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch) -> None:
@@ -181,7 +210,7 @@ def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch)
     real_rename = Path.rename
 
     def rename(self: Path, target: Path) -> Path:
-        if Path(target) == out and ".partial-" in self.name:
+        if Path(target) == out and self.name.endswith(".partial"):
             raise OSError(18, "Invalid cross-device link")
         return real_rename(self, target)
 

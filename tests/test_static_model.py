@@ -60,11 +60,28 @@ def test_lazy_model_holds_no_weights() -> None:
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_weight_blocks_concatenate_to_the_whole(transpose: bool) -> None:
-    """Large weights are written in row blocks; together they are exactly the converted tensor."""
+def test_weight_pieces_reassemble_the_whole(transpose: bool) -> None:
+    """Large weights are converted in slices of source rows; placed by (axis, start) they are exactly
+    the converted tensor, and each slice reads only its own rows of the source."""
     src = torch.randn(37, 11).to(torch.bfloat16)
-    w = Weights({"t": src}.__getitem__, {"t": (37, 11)}, torch.float32, lazy=True)
+    reads: list[tuple[int, int] | None] = []
+
+    def read(name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        reads.append(rows)
+        return src if rows is None else src[rows[0]:rows[1]]
+
+    w = Weights(read, {"t": (37, 11)}, torch.float32, lazy=True, sliced=True)
     ref = WeightRef("t", transpose)
-    blocks = list(w.blocks(ref, block_bytes=3 * (37 if transpose else 11) * 4))
-    assert len(blocks) > 1 and all(b.dtype == torch.float32 and b.is_contiguous() for b in blocks)
-    assert torch.equal(torch.cat(blocks), w.materialize(ref))
+    whole = w.materialize(ref)
+    reads.clear()
+    out = torch.full_like(whole, float("nan"))
+    pieces = list(w.pieces(ref, block_bytes=3 * 11 * 4))
+    assert len(pieces) > 1 and all(p.dtype == torch.float32 and p.is_contiguous() for _, _, p in pieces)
+    for axis, start, piece in pieces:
+        assert axis == (1 if transpose else 0)
+        if axis == 0:
+            out[start:start + piece.shape[0]] = piece
+        else:
+            out[:, start:start + piece.shape[1]] = piece
+    assert torch.equal(out, whole)
+    assert None not in reads and sum(r1 - r0 for r0, r1 in reads) == 37  # every source row read once
