@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import warnings
@@ -14,6 +15,7 @@ import torch
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.replicate import TemplateError, replicate_layers
 from qwen2om.signature import IOSpec, graph_io
 
 NP_TO_TORCH = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16}
@@ -59,41 +61,67 @@ def quiet_exporter():  # type: ignore[no-untyped-def]
                 lg.setLevel(level)
 
 
+def export(model: torch.nn.Module, inputs: list[IOSpec], outputs: list[IOSpec], opset: int) -> ir.Model:
+    device = next(model.parameters()).device.type
+    with quiet_exporter(), torch.no_grad():
+        program = torch.onnx.export(
+            model, example_args(inputs, device), dynamo=True, opset_version=opset,
+            input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
+            optimize=False, verify=False,
+        )
+        drop_meta_values(program.model)
+        onnxscript.optimizer.optimize_ir(program.model)
+    return program.model
+
+
 @register
 class ExportOnnx:
     """torch.onnx.export(dynamo=True) of the static model, one graph per call shape.
 
     The model's parameters are meta tensors, so the trace holds no weights: the exporter's own
     optimizer cannot run on meta data, so it runs here after the placeholders are emptied.
+    With `replicate` (the default) only the two-layer template is traced and its layer 1 is
+    cloned for the others (qwen2om/replicate.py): export time and memory stay flat in the
+    number of layers. If the template's graph is not shaped as expected, all layers are traced.
     """
 
     name: ClassVar[str] = "export_onnx"
-    requires: ClassVar[tuple[str, ...]] = ("static_model", "checkpoint")
+    requires: ClassVar[tuple[str, ...]] = ("static_model", "template_model", "checkpoint")
     produces: ClassVar[tuple[str, ...]] = ("graphs", "signatures")
 
+    def __init__(self, replicate: bool = True) -> None:
+        self.replicate = replicate
+
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        model, ckpt, r = ws.need("static_model"), ws.need("checkpoint"), ctx.recipe
-        device = next(model.parameters()).device.type
-        graphs, sigs = {}, {}
+        full, template, ckpt, r = ws.need("static_model"), ws.need("template_model"), ws.need("checkpoint"), ctx.recipe
+        dims = ckpt.dims
+        graphs, sigs, traced = {}, {}, {}
         shapes = call_shapes(r)
         for n, (kind, t) in enumerate(shapes.items()):
             ctx.progress(f"exporting {kind} graph (T={t})", n, len(shapes))
             logits_t = 1 if (t == 1 or r.logits == "last") else t
-            inputs, outputs = graph_io(ckpt.dims, batch=r.batch_size, t=t, capacity=int(r.max_seq_len),
-                                       dtype=NP_DTYPES[r.dtype], logits_t=logits_t)
+            io = {"batch": r.batch_size, "t": t, "capacity": int(r.max_seq_len), "dtype": NP_DTYPES[r.dtype],
+                  "logits_t": logits_t}
+            inputs, outputs = graph_io(dims, **io)
             try:
-                with quiet_exporter(), torch.no_grad():
-                    program = torch.onnx.export(
-                        model, example_args(inputs, device), dynamo=True, opset_version=r.opset,
-                        input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
-                        optimize=False, verify=False,
-                    )
-                    drop_meta_values(program.model)
-                    onnxscript.optimizer.optimize_ir(program.model)
+                graph, traced[kind] = None, dims.layers
+                if self.replicate and len(template.model.layers) < dims.layers:
+                    small = graph_io(dataclasses.replace(dims, layers=len(template.model.layers)), **io)
+                    graph = export(template, *small, r.opset)
+                    try:
+                        replicate_layers(graph, dims.layers)
+                        traced[kind] = len(template.model.layers)
+                    except TemplateError as e:
+                        ctx.log(f"{kind} graph: cannot clone layers ({e}); tracing all {dims.layers} layers instead")
+                        graph = None
+                if graph is None:
+                    graph = export(full, inputs, outputs, r.opset)
             except Exception as e:  # the exporter's own errors are long; keep the first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e
-            graphs[kind], sigs[kind] = program.model, (inputs, outputs)
+            graphs[kind], sigs[kind] = graph, (inputs, outputs)
             ctx.progress(f"exporting {kind} graph (T={t})", n + 1, len(shapes))
         ws["graphs"], ws["signatures"] = graphs, sigs
-        return PassResult(True, {f"{k}_nodes": len(list(g.graph)) for k, g in graphs.items()})
+        stats: dict[str, int | float | str] = {f"{k}_nodes": len(list(g.graph)) for k, g in graphs.items()}
+        stats.update({f"{k}_layers_traced": v for k, v in traced.items()})
+        return PassResult(True, stats)

@@ -16,11 +16,11 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 @register
 class BuildStaticModel:
-    """Build the static model's structure (meta weights); values are bound when written."""
+    """Build the static model's structure (meta weights) and its two-layer template; values are bound when written."""
 
     name: ClassVar[str] = "static_model"
     requires: ClassVar[tuple[str, ...]] = ("checkpoint",)
-    produces: ClassVar[tuple[str, ...]] = ("static_model", "weights")
+    produces: ClassVar[tuple[str, ...]] = ("static_model", "template_model", "weights")
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt, r = ws.need("checkpoint"), ctx.recipe
@@ -29,6 +29,10 @@ class BuildStaticModel:
         shapes = {name: ckpt.shape(name) for name in ckpt.names()}
         weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
         model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last").eval()
+        # The first two layers are what export_onnx traces; it clones layer 1 for the rest.
+        template = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
+                              layers=min(2, ckpt.dims.layers)).eval()
         ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
+        ws["template_model"] = template
         params = sum(p.numel() for p in model.parameters())
         return PassResult(True, {"parameters": params, "dtype": r.dtype, "rope_rows": int(r.max_seq_len)})

@@ -227,8 +227,11 @@ class WriteOnnx:
         files["data"] = stage / DATA_FILE
         ws["onnx_files"] = files
         shared = len(where) - len(layout.regions)  # initializers that point at a region another wrote
+        if reused:
+            ctx.log(f"resumed: {reused} of {len(layout.regions)} tensors were already written, re-hashed and kept")
+        # Stats go in the manifest, so only what the same inputs always give (not `reused`).
         return PassResult(True, {"external_tensors": len(layout.regions), "shared_between_graphs": shared,
-                                 "data_bytes": layout.end, "resumed_tensors": reused, "workers": ctx.workers})
+                                 "data_bytes": layout.end})
 
     def write_all(self, writer: DataWriter, layout: Layout, fingerprint: str, ctx: RunContext) -> int:
         """Write every region not already on disk; returns how many were reused from a resumed run."""

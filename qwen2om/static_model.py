@@ -125,10 +125,10 @@ class Embedding(nn.Module):
 class Body(nn.Module):
     """`model.*` of the Hugging Face layout."""
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: int) -> None:
         super().__init__()
         self.embed_tokens = None if d.tied else Embedding(w, "model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}") for i in range(d.layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}") for i in range(layers))
         self.norm = RMSNorm(w, "model.norm", d.rms_eps)
 
 
@@ -136,10 +136,11 @@ class StaticQwen(nn.Module):
     """Dense Qwen2/Qwen3 with the static forward signature; weights in the compute dtype."""
 
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
-                 *, logits_last: bool) -> None:
+                 *, logits_last: bool, layers: int | None = None) -> None:
+        """`layers` < d.layers builds only the first ones: the template export_onnx replicates."""
         super().__init__()
         self.d, self.logits_last = d, logits_last
-        self.model = Body(arch, d, w)
+        self.model = Body(arch, d, w, d.layers if layers is None else layers)
         # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head.
         self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
         # RoPE tables stay float32 constants whatever the compute dtype (see rope.py).

@@ -1,0 +1,166 @@
+"""Run a checkpoint one decoder layer at a time over a set of samples (what calibration needs).
+
+Calibration (GPTQ, AWQ) looks at each layer's inputs over hundreds of samples. Loading the
+model to do that is what makes today's tools need the model's size in RAM. Here only one
+layer's weights are resident: the samples' hidden states are carried from layer to layer in an
+`ActivationStore`, which keeps them in memory up to a byte budget and spills the rest to
+files on disk, so peak memory is one layer plus the budget, whatever the number of layers.
+
+The layer code is the static model's own (`qwen2om/static_model.py`), with an empty KV cache
+and a causal mask: the same numerics the exported graph has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qwen2om.checkpoint import Checkpoint
+from qwen2om.rope import rope_tables
+from qwen2om.static_model import DecoderLayer, RMSNorm
+from qwen2om.weights import Weights
+
+
+class ActivationStore:
+    """Per-sample arrays between two layers: in memory up to `budget` bytes, then on disk.
+
+    Spilled samples live in one file per sample (np.save / np.load with mmap), in a private
+    temporary directory removed by `close()`.
+    """
+
+    def __init__(self, budget: int, spill_dir: Path | None = None) -> None:
+        self.budget, self.used = budget, 0
+        self._spill_root = spill_dir
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._mem: dict[int, np.ndarray] = {}
+        self._disk: dict[int, Path] = {}
+
+    def _dir(self) -> Path:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="qwen2om-acts-", dir=self._spill_root)
+        return Path(self._tmp.name)
+
+    def put(self, i: int, a: np.ndarray) -> None:
+        self.drop(i)
+        if self.used + a.nbytes <= self.budget:
+            self._mem[i], self.used = a, self.used + a.nbytes
+        else:
+            path = self._dir() / f"{i}.npy"
+            np.save(path, a)
+            self._disk[i] = path
+
+    def get(self, i: int) -> np.ndarray:
+        if i in self._mem:
+            return self._mem[i]
+        return np.load(self._disk[i], mmap_mode="r")
+
+    def drop(self, i: int) -> None:
+        if i in self._mem:
+            self.used -= self._mem.pop(i).nbytes
+        if i in self._disk:
+            self._disk.pop(i).unlink(missing_ok=True)
+
+    @property
+    def spilled(self) -> int:
+        return len(self._disk)
+
+    def __len__(self) -> int:
+        return len(self._mem) + len(self._disk)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted({*self._mem, *self._disk}))
+
+    def close(self) -> None:
+        self._mem.clear()
+        self._disk.clear()
+        self.used = 0
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+@dataclasses.dataclass
+class LayerInputs:
+    """What a hook sees for one sample entering a layer."""
+
+    sample: int
+    hidden: torch.Tensor  # [1, T, hidden]
+
+
+class LayerRunner:
+    """Embedding, then each decoder layer over every sample, one layer's weights at a time."""
+
+    def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype = torch.float32, budget: int = 1 << 30,
+                 spill_dir: Path | None = None) -> None:
+        self.ckpt, self.dtype, self.d = ckpt, dtype, ckpt.dims
+        self.budget, self.spill_dir = budget, spill_dir
+        self.shapes = {n: ckpt.shape(n) for n in ckpt.names()}
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def weights(self) -> Weights:
+        return Weights(self.ckpt.get, self.shapes, self.dtype, lazy=False, sliced=True)
+
+    def embed(self, samples: list[list[int]]) -> ActivationStore:
+        """Hidden states entering layer 0, read row by row from the embedding table."""
+        store = ActivationStore(self.budget, self.spill_dir)
+        name = "model.embed_tokens.weight"
+        for i, ids in enumerate(samples):
+            rows = [self.ckpt.get(name, self.dtype, rows=(t, t + 1)) for t in ids]
+            store.put(i, torch.cat(rows)[None].numpy())
+        return store
+
+    def layer(self, index: int) -> DecoderLayer:
+        """Decoder layer `index` with its real weights (and only its weights) loaded."""
+        return DecoderLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}").eval()
+
+    def run_layer(self, index: int, store: ActivationStore,
+                  hook: Callable[[DecoderLayer, LayerInputs], None] | None = None) -> ActivationStore:
+        """Every sample through layer `index`; returns the store of its outputs (the input store is closed)."""
+        layer = self.layer(index)
+        out = ActivationStore(self.budget, self.spill_dir)
+        with torch.no_grad():
+            for i in store:
+                x = torch.from_numpy(np.array(store.get(i)))
+                if hook is not None:
+                    hook(layer, LayerInputs(i, x))
+                out.put(i, self._forward(layer, x).numpy())
+                store.drop(i)
+        store.close()
+        return out
+
+    def run(self, samples: list[list[int]], hook: Callable[[int, DecoderLayer, LayerInputs], None] | None = None,
+            progress: Callable[[int, int], None] = lambda done, total: None) -> ActivationStore:
+        """All layers; `hook(layer_index, layer, inputs)` sees each sample before each layer."""
+        store = self.embed(samples)
+        for index in range(self.d.layers):
+            bound = None if hook is None else (lambda layer, x, index=index: hook(index, layer, x))
+            store = self.run_layer(index, store, bound)
+            progress(index + 1, self.d.layers)
+        return store
+
+    def final_norm(self, store: ActivationStore) -> list[torch.Tensor]:
+        norm = RMSNorm(self.weights(), "model.norm", self.d.rms_eps)
+        with torch.no_grad():
+            return [norm(torch.from_numpy(np.array(store.get(i)))) for i in store]
+
+    def _forward(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        cos, sin = self._tables(t)
+        lo = torch.finfo(self.dtype).min
+        mask = torch.triu(torch.full((t, t), lo, dtype=self.dtype), 1)[None, None]
+        empty = torch.zeros(1, self.d.kv_heads, 0, self.d.head_dim, dtype=self.dtype)
+        y, _, _ = layer(x.to(self.dtype), cos, sin, mask, empty, empty)
+        return y
+
+    def _tables(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[2] < t:
+            cos, sin = rope_tables(self.ckpt.config, max(t, 256))
+            self._rope = (cos.to(self.dtype)[None, None], sin.to(self.dtype)[None, None])
+        cos, sin = self._rope
+        return cos[:, :, :t], sin[:, :, :t]
+

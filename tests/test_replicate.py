@@ -1,0 +1,73 @@
+"""Layer cloning (qwen2om/replicate.py): a graph traced with two layers and grown to L is the same
+computation as one traced with all L layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from qwen2om.builtin import resolve_model
+from qwen2om.convert import choose_recipe
+from qwen2om.pipeline import RunContext, Workspace, run_pipeline
+from qwen2om.replicate import TemplateError, replicate_layers
+
+STEPS = ["load_checkpoint", "static_model"]
+
+
+def build(name: str, tmp_path, replicate: bool) -> tuple[Workspace, dict]:
+    src = resolve_model(f"builtin:{name}")
+    r, _ = choose_recipe(src, None, ["max_seq_len=64", "prefill_chunk=8"])
+    stage = tmp_path / ("rep" if replicate else "full")
+    stage.mkdir()
+    ws = Workspace()
+    ctx = RunContext(recipe=r, stage_dir=stage, source=src)
+    steps = [(s, {}) for s in STEPS] + [("export_onnx", {"replicate": replicate}), ("legalize_ort", {}),
+                                        ("write_onnx", {})]
+    reports = run_pipeline(steps, ws, ctx)
+    return ws, reports[2].stats
+
+
+def session(path) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # compare the graphs as written
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-untied"])
+def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path) -> None:
+    ws_rep, stats_rep = build(name, tmp_path, True)
+    ws_full, stats_full = build(name, tmp_path, False)
+    assert stats_rep["decode_layers_traced"] == 2 and stats_full["decode_layers_traced"] == 4
+    for kind in ("decode", "prefill"):
+        assert stats_rep[f"{kind}_nodes"] == stats_full[f"{kind}_nodes"]
+        a, b = session(ws_rep["onnx_files"][kind]), session(ws_full["onnx_files"][kind])
+        assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
+        assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
+        rng = np.random.default_rng(0)
+        feeds = {}
+        for i in a.get_inputs():
+            if i.type == "tensor(int64)":
+                feeds[i.name] = rng.integers(0, 60, size=i.shape).astype(np.int64)
+            else:
+                feeds[i.name] = rng.standard_normal(i.shape).astype(np.float32)
+        for x, y, o in zip(a.run(None, feeds), b.run(None, feeds), a.get_outputs(), strict=True):
+            assert np.array_equal(x, y), o.name
+
+
+def test_cloned_nodes_are_named_after_their_layer(tmp_path) -> None:
+    ws, _ = build("tiny-qwen3", tmp_path, True)
+    names = {n.name for n in ws["graphs"]["decode"].graph}
+    for layer in range(4):
+        assert f"/model/layers.{layer}/self_attn/q_proj/MatMul" in names
+    inits = set(ws["graphs"]["decode"].graph.initializers)
+    assert "model.layers.3.mlp.down_proj.weight" in inits
+
+
+def test_a_graph_without_layer_scopes_is_refused() -> None:
+    x = ir.Value(name="x", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.FLOAT))
+    node = ir.Node("", "Relu", [x], num_outputs=1)
+    graph = ir.Graph([x], node.outputs, nodes=[node])
+    with pytest.raises(TemplateError, match="no nodes"):
+        replicate_layers(ir.Model(graph, ir_version=8), 4)
