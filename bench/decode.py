@@ -46,7 +46,7 @@ import onnxruntime as ort
 import psutil
 from tokenizers import Tokenizer
 
-from qwen2om.fixtures.synthetic import PRESETS, SyntheticPreset, resolve_preset
+from qwen2om.fixtures.synthetic import DENSE_PRESETS, SyntheticPreset, resolve_preset
 from qwen2om.runtime.standalone import Engine, Sampling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,7 +308,7 @@ def gib(n: float) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Decode speed of qwen2om (ONNX Runtime fp32) vs transformers on a synthetic Qwen3 checkpoint.")
-    ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(DENSE_PRESETS))  # the convertible ones
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -336,6 +336,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     p = resolve_preset(a.preset, a.layers)
+    assert isinstance(p, SyntheticPreset)  # --preset admits only dense presets
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = a.threads or cores
     a.workdir.mkdir(parents=True, exist_ok=True)
