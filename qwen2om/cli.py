@@ -70,6 +70,10 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[..., None]]:
         yield update
 
 
+def note(message: str) -> None:
+    err.print(f"[yellow]note:[/] {message}", soft_wrap=True, highlight=False)
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -119,7 +123,7 @@ def convert(
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:
         result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,
-                             workers=workers, progress=progress, log=lambda m: err.print(f"[yellow]note:[/] {m}"),
+                             workers=workers, progress=progress, log=note,
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
