@@ -8,6 +8,7 @@ Qwen3 is Qwen2 with the QKV bias dropped and a per-head RMSNorm on q and k.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from qwen2om.errors import CheckpointError
@@ -23,6 +24,9 @@ KEEP_FLOAT = (
     r"^model\.embed_tokens\.weight$",
 )
 
+QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",)
+LM_HEAD = "lm_head.weight"
+
 
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
@@ -34,6 +38,8 @@ class ArchSpec:
     qkv_bias: bool = True
     qk_norm: bool = False
     keep_float: tuple[str, ...] = KEEP_FLOAT
+    # Weights that weight-only quantisation may touch (keep_float wins over these).
+    quant_targets: tuple[str, ...] = QUANT_TARGETS
     # The demo/test model that `builtin:` builds for this family.
     builtin: str = ""
 
@@ -147,3 +153,12 @@ def resolve_arch(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
     if model_type is None:
         raise CheckpointError(f"{source}: no 'model_type' key (supported model types: {supported})")
     raise CheckpointError(f"{source}: unsupported model_type {model_type!r} (supported: {supported})")
+
+
+def quantizable(arch: ArchSpec, name: str, *, ignore: tuple[str, ...] = (), lm_head: bool = False) -> bool:
+    """Whether weight-only quantisation may touch tensor `name`: the architecture's targets (plus
+    the LM head when asked), never what it keeps float (norms, embeddings, RoPE, router gates),
+    never what a recipe's `ignore` regexes match."""
+    if any(re.search(p, name) for p in (*arch.keep_float, *ignore)):
+        return False
+    return (lm_head and name == LM_HEAD) or any(re.search(p, name) for p in arch.quant_targets)

@@ -217,6 +217,60 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command()
+def calibrate(
+    model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="quantised checkpoint directory to write")],
+    scheme: Annotated[str, typer.Option(help="quantisation scheme: w4a16")] = "w4a16",
+    method: Annotated[str, typer.Option(help="gptq (Hessian-based, static act-order) or rtn (data-free)")] = "gptq",
+    group_size: Annotated[int, typer.Option(help="input columns sharing one scale")] = 128,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="symmetric (no zero point) or asymmetric")] = True,
+    dataset: Annotated[str, typer.Option(help="JSONL ({text} or {messages}), a text file, or builtin:NAME[+NAME] "
+                                         "(prose, code, chinese, chat)")] = "builtin:chat+prose+code",
+    num_samples: Annotated[int, typer.Option(help="calibration samples")] = 500,
+    seq_len: Annotated[int | None, typer.Option(help="tokens per sample (default 2048 or the model's limit)")] = None,
+    batch_size: Annotated[int, typer.Option(help="samples per forward (1: layer-by-layer memory is smallest)")] = 1,
+    quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="also quantise lm_head")] = False,
+    ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable)")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="compressed-tensors")] = "compressed-tensors",
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+) -> None:
+    """Quantise MODEL's linear weights to int4 (W4A16), layer by layer; norms, embeddings, RoPE and
+    router gates always stay float. Writes a compressed-tensors checkpoint that `convert`,
+    transformers and vLLM read, with calibration_report.json."""
+    from qwen2om.quant.calibrate import CalibrationConfig, CalibrationError
+    from qwen2om.quant.calibrate import calibrate as run_calibrate
+
+    if scheme != "w4a16":
+        raise CalibrationError(f"--scheme {scheme!r}: only w4a16 is implemented")
+    if fmt != "compressed-tensors":
+        raise CalibrationError(f"--format {fmt!r}: only compressed-tensors is implemented (ascendv1 is not yet)")
+    if batch_size != 1:
+        raise CalibrationError("--batch-size: only 1 is implemented (samples go through each layer one by one)")
+    cfg = CalibrationConfig(method=method, group_size=group_size, symmetric=sym, dataset=dataset,
+                            num_samples=num_samples, seq_len=seq_len, quantize_lm_head=quantize_lm_head,
+                            ignore=tuple(ignore or ()))
+    with progress_bar() as progress:
+        result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
+    r = result.report
+    table = Table(title=f"calibrate {model} → {out} ({r['method']}, group {r['group_size']}, "
+                        f"{'sym' if r['symmetric'] else 'asym'})")
+    for col in ("layer", "seconds", "linears", "mean RTN error", "mean error"):
+        table.add_column(col)
+    for layer in r["layers"]:
+        errs = [x for x in layer["linears"] if x["error"] is not None]
+        rtn_e = sum(x["rtn_error"] for x in errs) / len(errs) if errs else None
+        err_e = sum(x["error"] for x in errs) / len(errs) if errs else None
+        table.add_row(str(layer["layer"]), f"{layer['seconds']:.2f}", str(len(layer["linears"])),
+                      "-" if rtn_e is None else f"{rtn_e:.2e}", "-" if err_e is None else f"{err_e:.2e}")
+    out_console.print(table)
+    ds = r["dataset"]
+    if ds:
+        out_console.print(f"{ds['samples']} samples × {ds['seq_len']} tokens from {ds['source']}")
+    out_console.print(f"{r['quantized']} weights quantised in {r['seconds']:.1f} s; "
+                      f"report: {out}/calibration_report.json")
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit non-zero; Ctrl-C exits cleanly."""
     from qwen2om.environment import torch_npu_without_cann

@@ -128,7 +128,7 @@ class LayerRunner:
                 x = torch.from_numpy(np.array(store.get(i)))
                 if hook is not None:
                     hook(layer, LayerInputs(i, x))
-                out.put(i, self._forward(layer, x).numpy())
+                out.put(i, self.forward(layer, x).numpy())
                 store.drop(i)
         store.close()
         return out
@@ -148,7 +148,8 @@ class LayerRunner:
         with torch.no_grad():
             return [norm(torch.from_numpy(np.array(store.get(i)))) for i in store]
 
-    def _forward(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """One sample [1, T, hidden] through `layer`, causal, from an empty cache."""
         t = x.shape[1]
         cos, sin = self._tables(t)
         lo = torch.finfo(self.dtype).min

@@ -1,0 +1,302 @@
+"""`qwen2om calibrate`: W4A16 post-training quantisation of a checkpoint, layer by layer.
+
+Only one decoder layer's weights are in memory at a time (qwen2om/layerwise.py). For GPTQ, each
+layer runs twice over the calibration samples: once with its float weights to accumulate every
+linear's input Hessian, then, once its linears are quantised, again to produce the inputs of the
+next layer — so each layer is calibrated on what the quantised model before it really computes.
+RTN needs no data and reads each weight once.
+
+What is quantised is architecture data (`ArchSpec.quant_targets`, never `keep_float`: norms,
+embeddings, RoPE, router gates), plus the LM head only with `quantize_lm_head`, minus a recipe's
+`ignore` regexes. The result is a compressed-tensors `pack-quantized` checkpoint (the format
+llm-compressor writes and transformers / vLLM read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qwen2om.arch import LM_HEAD, quantizable
+from qwen2om.builtin import resolve_model
+from qwen2om.checkpoint import Checkpoint
+from qwen2om.datasets import windows
+from qwen2om.errors import Qwen2omError
+from qwen2om.layerwise import ActivationStore, LayerRunner
+from qwen2om.output import staged_output
+from qwen2om.quant.gptq import gptq, output_error
+from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
+from qwen2om.quant.writer import ShardWriter
+from qwen2om.static_model import Linear
+
+METHODS = ("rtn", "gptq")
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
+
+
+class CalibrationError(Qwen2omError):
+    """Calibration cannot go on (non-finite activations, a group size that does not fit, …)."""
+
+
+@dataclasses.dataclass
+class CalibrationConfig:
+    method: str = "gptq"
+    group_size: int = 128
+    symmetric: bool = True
+    dataset: str = "builtin:chat+prose+code"
+    num_samples: int = 500
+    seq_len: int | None = None  # default: 2048 or the model's limit
+    batch_size: int = 1
+    quantize_lm_head: bool = False
+    ignore: tuple[str, ...] = ()
+    damp: float = 0.01
+    actorder: bool = True
+    activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
+
+
+@dataclasses.dataclass
+class LinearReport:
+    name: str
+    method: str
+    rtn_error: float | None
+    error: float | None
+    note: str = ""
+
+
+def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, Any]:
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("compressed-tensors")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0.20.1"
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "pack-quantized", "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric, "strategy": "group",
+                        "group_size": cfg.group_size, "dynamic": False, "observer": "minmax",
+                        "actorder": "static" if cfg.method == "gptq" and cfg.actorder else None},
+        }},
+        "ignore": ignore, "kv_cache_scheme": None, "version": version,
+        "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if cfg.method != "rtn" else None},
+    }
+
+
+def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Int4Spec,
+           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """compressed-tensors tensors for one quantised weight `...X.weight`."""
+    base = name.removesuffix(".weight")
+    out = {f"{base}.weight_packed": pack_int4(q), f"{base}.weight_scale": scale.to(dtype),
+           f"{base}.weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    if not spec.symmetric:
+        out[f"{base}.weight_zero_point"] = pack_int4(zp.to(torch.int8), dim=0)
+    return out
+
+
+class Calibrator:
+    def __init__(self, ckpt: Checkpoint, cfg: CalibrationConfig, writer: ShardWriter,
+                 progress: Callable[..., None], log: Callable[[str], None]) -> None:
+        self.ckpt, self.cfg, self.writer, self.progress, self.log = ckpt, cfg, writer, progress, log
+        self.spec = Int4Spec(cfg.group_size, cfg.symmetric)
+        self.reports: list[LinearReport] = []
+        self.layer_seconds: list[float] = []
+
+    def targets(self) -> list[str]:
+        names = [n for n in self.ckpt.names()
+                 if quantizable(self.ckpt.arch, n, ignore=self.cfg.ignore, lm_head=self.cfg.quantize_lm_head)]
+        if self.cfg.quantize_lm_head and LM_HEAD not in names:  # tied: the head is quantised from the embedding
+            names.append(LM_HEAD)
+        return names
+
+    def ignored(self) -> list[str]:
+        """Linear modules left float, for the config's `ignore` list."""
+        arch = self.ckpt.arch
+        out = [n.removesuffix(".weight") for n in self.ckpt.names()
+               if quantizable(arch, n) and not quantizable(arch, n, ignore=self.cfg.ignore)]
+        return sorted(out) + ([] if self.cfg.quantize_lm_head else ["lm_head"])
+
+    def check_groups(self, names: list[str]) -> None:
+        for n in names:
+            k = self.ckpt.dims.hidden if n == LM_HEAD else self.ckpt.shape(n)[1]
+            if k % self.spec.group:
+                raise CalibrationError(f"{n}: input width {k} is not a multiple of --group-size {self.spec.group}; "
+                                       "choose a group size that divides every quantised layer's input width")
+
+    def source(self, name: str) -> str:
+        return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
+
+    def quantize_rtn(self, name: str) -> None:
+        src = self.source(name)
+        dtype = self.ckpt.info(src).dtype
+        w = self.ckpt.get(src, torch.float32)
+        _, scale, zp = rtn(w, self.spec, name)
+        scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
+        q = quantize(w, scale, zp, self.spec.group)
+        for k, v in packed(name, q, scale, zp, self.spec, dtype).items():
+            self.writer.add(k, v)
+        self.reports.append(LinearReport(name, "rtn", None, None))
+
+    def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
+        dtype = self.ckpt.info(self.source(name)).dtype
+        try:
+            r = gptq(w, h, self.spec, damp=self.cfg.damp, actorder=self.cfg.actorder, scale_dtype=dtype, name=name)
+        except ValueError as e:
+            raise CalibrationError(str(e)) from None
+        if r.note:
+            self.log(f"{name}: GPTQ fell back to RTN: {r.note}")
+        w_hat = dequantize(r.q, r.scale, r.zp if not self.spec.symmetric else None, self.spec.group)
+        q0, s0, z0 = rtn(w, self.spec, name)
+        rtn_err = output_error(w, dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), h)
+        self.reports.append(LinearReport(name, r.method, rtn_err, output_error(w, w_hat, h), r.note))
+        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype).items():
+            self.writer.add(k, v)
+        return w_hat
+
+    def copy(self, names: list[str]) -> None:
+        for n in names:
+            self.writer.add(n, self.ckpt.get(n))
+
+    def run(self, samples: list[list[int]]) -> None:
+        ckpt, d = self.ckpt, self.ckpt.dims
+        targets = set(self.targets())
+        self.check_groups(sorted(targets))
+        per_layer: dict[int, list[str]] = {i: [] for i in range(d.layers)}
+        for n in ckpt.names():
+            parts = n.split(".")
+            if n.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < d.layers:
+                per_layer[int(parts[2])].append(n)
+        self.copy([n for n in ckpt.names() if not n.startswith("model.layers.") and n not in targets])
+        if self.cfg.method == "rtn":
+            for i in range(d.layers):
+                t0 = time.perf_counter()
+                for n in per_layer[i]:
+                    self.quantize_rtn(n) if n in targets else self.copy([n])
+                self.layer_seconds.append(time.perf_counter() - t0)
+                self.progress("quantising layers", i + 1, d.layers)
+            if LM_HEAD in targets:
+                self.quantize_rtn(LM_HEAD)
+            return
+        runner = LayerRunner(ckpt, budget=self.cfg.activation_budget)
+        store = runner.embed(samples)
+        try:
+            for i in range(d.layers):
+                t0 = time.perf_counter()
+                store = self.gptq_layer(runner, i, store, [n for n in per_layer[i] if n in targets])
+                self.copy([n for n in per_layer[i] if n not in targets])
+                self.layer_seconds.append(time.perf_counter() - t0)
+                self.progress("calibrating layers", i + 1, d.layers)
+            if LM_HEAD in targets:
+                self.gptq_lm_head(runner, store)
+        finally:
+            store.close()
+
+    def gptq_layer(self, runner: LayerRunner, index: int, store: ActivationStore, names: list[str]) -> ActivationStore:
+        layer = runner.layer(index)
+        linears = {f"model.layers.{index}.{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
+        missing = [n for n in names if n not in linears]
+        if missing:
+            raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
+        hess = {n: torch.zeros(linears[n].weight.shape[0], linears[n].weight.shape[0]) for n in names}
+        seen = dict.fromkeys(names, 0)
+
+        def hook(name: str) -> Callable[..., None]:
+            def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                total = seen[name] + x.shape[0]
+                hess[name] *= seen[name] / total
+                hess[name] += (2 / total) * x.T @ x
+                seen[name] = total
+            return accumulate
+
+        handles = [linears[n].register_forward_pre_hook(hook(n)) for n in names]
+        with torch.no_grad():
+            for i in store:
+                y = runner.forward(layer, torch.from_numpy(np.array(store.get(i))))
+                if not torch.isfinite(y).all():
+                    raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite")
+        for h in handles:
+            h.remove()
+        for n in names:
+            w = linears[n].weight.data.T.contiguous()  # stored [in, out]; GPTQ works on [out, in]
+            w_hat = self.quantize_hessian(n, w, hess.pop(n))
+            linears[n].weight.data = w_hat.T.contiguous().to(linears[n].weight.dtype)
+        out = ActivationStore(self.cfg.activation_budget)
+        with torch.no_grad():
+            for i in store:
+                out.put(i, runner.forward(layer, torch.from_numpy(np.array(store.get(i)))).numpy())
+                store.drop(i)
+        store.close()
+        return out
+
+    def gptq_lm_head(self, runner: LayerRunner, store: ActivationStore) -> None:
+        k = self.ckpt.dims.hidden
+        h, seen = torch.zeros(k, k), 0
+        for x in runner.final_norm(store):
+            x = x.reshape(-1, k).float()
+            total = seen + x.shape[0]
+            h = h * (seen / total) + (2 / total) * x.T @ x
+            seen = total
+        self.quantize_hessian(LM_HEAD, self.ckpt.get(self.source(LM_HEAD), torch.float32), h)
+
+
+@dataclasses.dataclass
+class CalibrationResult:
+    out: Path
+    report: dict[str, Any]
+
+
+def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bool = False,
+              progress: Callable[..., None] = lambda *a, **k: None,
+              log: Callable[[str], None] = lambda m: None) -> CalibrationResult:
+    if cfg.method not in METHODS:
+        raise CalibrationError(f"--method {cfg.method!r} is not one of {', '.join(METHODS)}")
+    source = resolve_model(model)
+    ckpt = Checkpoint(source)
+    if ckpt.config.get("quantization_config"):
+        qm = ckpt.config["quantization_config"].get("quant_method", "?")
+        raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
+    ckpt.validate_layout()
+    t0 = time.perf_counter()
+    data = None
+    if cfg.method != "rtn":
+        seq_len = cfg.seq_len or min(2048, ckpt.dims.max_positions)
+        data = windows(cfg.dataset, source, num_samples=cfg.num_samples, seq_len=seq_len)
+        for note in data.notes:
+            log(note)
+    with staged_output(Path(out), force=force) as stage:
+        writer = ShardWriter(stage)
+        cal = Calibrator(ckpt, cfg, writer, progress, log)
+        cal.run(data.samples if data else [])
+        writer.close()
+        config = dict(ckpt.config)
+        if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
+            config["tie_word_embeddings"] = False  # the head is now its own (quantised) tensor
+        config["quantization_config"] = quantization_config(cfg, cal.ignored())
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in COPY_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, stage / name)
+        errs = [(r.rtn_error, r.error) for r in cal.reports if r.error is not None and r.rtn_error is not None]
+        report = {
+            "model": str(model), "scheme": "w4a16", "method": cfg.method, "group_size": cfg.group_size,
+            "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
+            "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
+            "fell_back_to_rtn": [r.name for r in cal.reports if r.method == "rtn" and cfg.method != "rtn"],
+            "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
+            "mean_error": float(np.mean([e[1] for e in errs])) if errs else None,
+            "layers": [{"layer": i, "seconds": round(s, 3),
+                        "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name]}
+                       for i, s in enumerate(cal.layer_seconds)],
+        }
+        (stage / "calibration_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    ckpt.close()
+    return CalibrationResult(Path(out), report)

@@ -1,0 +1,79 @@
+"""GPTQ (Frantar et al. 2022): quantise a weight column by column, pushing each column's
+rounding error onto the columns not yet quantised, weighted by the inverse input Hessian.
+
+Act-order is *static* (as llm-compressor's `actorder="static"`): columns are visited in order of
+decreasing Hessian diagonal, but every group's scale and zero point are computed up front from
+the original weight in the original column order, so the stored weight needs no permutation
+(no `g_idx`) at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qwen2om.quant.int4 import QMAX, QMIN, Int4Spec, qparams, rtn
+
+
+class SingularHessian(Exception):
+    """Cholesky failed even after dampening: the caller falls back to RTN and says why."""
+
+
+@dataclasses.dataclass
+class GPTQResult:
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # [N, K/g]
+    zp: torch.Tensor  # [N, K/g]
+    method: str  # "gptq", or "rtn" when it fell back
+    note: str = ""
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """Relative error of the layer's output on the calibration inputs: tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)."""
+    d = (w - w_hat).double()
+    num = torch.einsum("nk,kl,nl->", d, h.double(), d)
+    den = torch.einsum("nk,kl,nl->", w.double(), h.double(), w.double())
+    return float(num / den) if den > 0 else 0.0
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, spec: Int4Spec, *, damp: float = 0.01, block: int = 128,
+         actorder: bool = True, scale_dtype: torch.dtype = torch.float32, name: str = "weight") -> GPTQResult:
+    """w [N, K] float, h [K, K] = mean of 2·xxᵀ over calibration tokens."""
+    w = w.float().clone()
+    n, k = w.shape
+    h = h.float().clone()
+    if not torch.isfinite(h).all():
+        raise ValueError(f"{name}: the input Hessian has NaN/Inf (the layer's inputs are not finite)")
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    scale, zp = qparams(w, spec, name)
+    scale = scale.to(scale_dtype).float()  # quantise with the scale exactly as it will be stored
+    perm = torch.argsort(torch.diag(h), descending=True) if actorder else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(k)
+    try:
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except torch.linalg.LinAlgError as e:
+        q, s, z = rtn(w[:, torch.argsort(perm)], spec, name)
+        return GPTQResult(q, s, z, "rtn", f"Hessian not positive definite after {damp:g} dampening ({e})")
+    group_of = perm // spec.group  # each permuted column keeps its original group's parameters
+    q = torch.zeros(n, k, dtype=torch.int8)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            g = group_of[i1 + i]
+            s, z = scale[:, g], zp[:, g]
+            qc = torch.clamp(torch.round(col / s) + z, QMIN, QMAX)
+            q[:, i1 + i] = qc.to(torch.int8)
+            e = (col - (qc - z) * s) / hinv1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    inv = torch.argsort(perm)
+    return GPTQResult(q[:, inv], scale, zp, "gptq")
