@@ -6,6 +6,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     export_onnx,
     legalize_ort,
     load_checkpoint,
+    lower_int4,
     package,
     static_model,
     write_onnx,

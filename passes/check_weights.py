@@ -18,7 +18,7 @@ class CheckWeights:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt = ws.need("checkpoint")
-        names = set(expected_tensors(ckpt.arch, ckpt.dims))
+        names = set(expected_tensors(ckpt.arch, ckpt.dims)) | set(ckpt.names())  # quantised: their scales too
         hashes = ckpt.scan(names, workers=ctx.workers,
                            progress=lambda done, total: ctx.progress("reading shards", done, total, unit="bytes"))
         ctx.journal.check_sources(hashes)

@@ -26,7 +26,7 @@ class BuildStaticModel:
         ckpt, r = ws.need("checkpoint"), ctx.recipe
         dtype = TORCH_DTYPES[r.dtype]
         cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
-        shapes = {name: ckpt.shape(name) for name in ckpt.names()}
+        shapes = {name: ckpt.shape(name) for name in (*ckpt.names(), *ckpt.quantized)}
         weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
         model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last").eval()
         # The first two layers are what export_onnx traces; it clones layer 1 for the rest.

@@ -137,7 +137,7 @@ class DataWriter:
             return hashlib.sha256(r.data).hexdigest()
         assert r.ref is not None
         h, strided = hashlib.sha256(), False
-        shape = self.weights.shapes[r.ref.source]
+        shape = self.weights.shapes.get(r.ref.source, ())  # derived tensors are written whole
         width = shape[0] if shape else 1  # the output's row length when transposed
         for axis, start, piece in self.weights.pieces(r.ref):
             raw = memoryview(piece.numpy()).cast("B")

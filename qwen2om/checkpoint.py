@@ -19,6 +19,7 @@ import torch
 
 from qwen2om.arch import ArchSpec, ModelDims, expected_tensors, resolve_arch
 from qwen2om.errors import CheckpointError
+from qwen2om.quantized import Int4Weight, read_quantization
 from qwen2om.safetensors_io import Shard, TensorInfo
 
 SCAN_BLOCK = 16 << 20
@@ -52,6 +53,7 @@ class Checkpoint:
         self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
         self._handles: dict[Path, Shard] = {}
         self._where = self._locate_tensors()
+        self.quantized: dict[str, Int4Weight] = read_quantization(self.config, self._where, str(self.root))
 
     # -- discovery -------------------------------------------------------------------------
     def _locate_tensors(self) -> dict[str, Path]:
@@ -109,6 +111,10 @@ class Checkpoint:
         return self._open(self._shard(name)).tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape; for a quantised `X.weight`, its logical float shape [N, K]."""
+        if name in self.quantized and name not in self._where:
+            q = self.quantized[name]
+            return (q.n, q.k)
         return self.info(name).shape
 
     def _shard(self, name: str) -> Path:
@@ -119,18 +125,25 @@ class Checkpoint:
 
     # -- access ----------------------------------------------------------------------------
     def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """One tensor (or rows [r0, r1) of it), converted to `dtype` when one is given."""
+        """One tensor (or rows [r0, r1) of it), converted to `dtype` when one is given. A quantised
+        `X.weight` reads as its exact dequantisation, `(q - zp) · scale`, in float32."""
+        if name in self.quantized and name not in self._where:
+            t = self.quantized[name].dequantize(self)
+            t = t if rows is None else t[rows[0]:rows[1]]
+            return t if dtype is None else t.to(dtype)
         t = self._open(self._shard(name)).read(name, rows)
         return t if dtype is None else t.to(dtype)
 
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
         """Check every tensor the architecture needs is present with the config's shape."""
         want = expected_tensors(self.arch, self.dims)
+        for q in self.quantized.values():
+            q.validate(self)
         for name, shape in want.items():
             got = self.shape(name)
             if got != shape:
                 raise CheckpointError(
-                    f"{self._where[name]}: tensor {name!r} has shape {list(got)}, "
+                    f"{self._where.get(name, self.root)}: tensor {name!r} has shape {list(got)}, "
                     f"but config.json implies {list(shape)}"
                 )
         return want

@@ -78,6 +78,33 @@ def long_prompt(engine: Engine, tokens: int) -> str:
     return text
 
 
+def load_reference(ref_dir: Path) -> Any:
+    """transformers' own model class in float32. A quantised checkpoint is loaded with its exact
+    float32 dequantisation, `(q - zp) · scale` (transformers' own decompression rounds it to the
+    scale's bf16), so the reference is the weights the converted model really holds."""
+    import transformers
+
+    from qwen2om.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(ref_dir)
+    if not ckpt.quantized:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    names = set(model.state_dict())
+    state = {n: ckpt.get(n, torch.float32) for n in names if n in ckpt or n in ckpt.quantized}
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    if set(missing) - {"lm_head.weight"}:
+        raise Qwen2omError(f"{ref_dir}: the reference lacks {sorted(missing)[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    ckpt.close()
+    return model.eval()
+
+
 def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """transformers' greedy tokens and the raw logits of every step (EOS suppressed: n steps)."""
     with torch.no_grad():
@@ -97,8 +124,7 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = load_reference(ref_dir)
     chunk = max(s["tokens"] for s in manifest["graphs"].values())
     long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None
     texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, *([long] if long else [])]

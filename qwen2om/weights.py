@@ -35,6 +35,8 @@ class Weights:
         self.read, self.shapes, self.dtype, self.lazy, self.sliced = read, shapes, dtype, lazy, sliced
         self._refs: dict[int, WeightRef] = {}
         self.constants: dict[str, torch.Tensor] = {}
+        # Initializers a later pass derives from the checkpoint (int4 storage, scales): name → producer.
+        self.derived: dict[str, Callable[[], torch.Tensor]] = {}
 
     def param(self, name: str, *, transpose: bool = False) -> nn.Parameter:
         ref = WeightRef(name, transpose)
@@ -59,6 +61,9 @@ class Weights:
         axis 1: `piece` is columns [start, start+n) of a transposed weight too large to convert
         whole. Only row slices of the source are ever read, so neither the source nor the
         output (a [hidden, vocab] LM head in fp32) has to fit in memory at once."""
+        if ref.source in self.derived:  # already in its stored form and dtype
+            yield 0, 0, self.derived[ref.source]().contiguous()
+            return
         shape = self.shapes[ref.source]
         itemsize = torch.finfo(self.dtype).bits // 8
         rows = shape[0] if shape else 1
@@ -76,6 +81,8 @@ class Weights:
         return self.read(name, rows=(r0, r1)) if self.sliced else self.read(name)[r0:r1]
 
     def materialize(self, ref: WeightRef) -> torch.Tensor:
+        if ref.source in self.derived:
+            return self.derived[ref.source]()
         t = self.read(ref.source).to(self.dtype)
         return t.T.contiguous() if ref.transpose else t
 
