@@ -1,0 +1,183 @@
+"""W4A16 calibration: formats other tools read, what stays float, GPTQ quality, int4 graphs in ORT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen2om.checkpoint import Checkpoint
+from qwen2om.quant.calibrate import CalibrationConfig, calibrate
+from qwen2om.quant.gptq import gptq, output_error
+from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, rtn, unpack_int4
+
+SMALL = dict(group_size=32, num_samples=8, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for method in ("gptq", "rtn"):
+        path = tmp_path_factory.mktemp("cal") / method
+        calibrate("builtin:tiny-qwen3", path, CalibrationConfig(method=method, **SMALL))
+        out[method] = path
+    return out
+
+
+def test_packing_is_byte_identical_to_compressed_tensors() -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = torch.randint(-8, 8, (24, 200), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pack_int4(q), pack_to_int32(q, 4))
+    assert torch.equal(pack_int4(q, dim=0), pack_to_int32(q, 4, packed_dim=0))
+    assert torch.equal(unpack_int4(pack_int4(q), 200), q)
+    assert torch.equal(unpack_int4(pack_int4(q, dim=0), 24, dim=0), q)
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 256, generator=g) @ (torch.randn(256, 256, generator=g) * 0.1 + torch.eye(256))
+    x[:, :4] *= 20  # a few outlier channels, as real activations have
+    w = torch.randn(64, 256, generator=g) * 0.05
+    h = 2 * x.T @ x / x.shape[0]
+    spec = Int4Spec(64, True)
+    q, s, z = rtn(w, spec)
+    r = gptq(w, h, spec)
+    rtn_err = output_error(w, dequantize(q, s, z, 64), h)
+    gptq_err = output_error(w, dequantize(r.q, r.scale, None, 64), h)
+    assert r.method == "gptq" and gptq_err < rtn_err / 2
+
+
+def test_singular_hessian_falls_back_to_rtn_with_a_reason() -> None:
+    w = torch.randn(8, 64)
+    h = -torch.eye(64)  # not positive definite whatever the dampening
+    r = gptq(w, h, Int4Spec(32, True))
+    assert r.method == "rtn" and "not positive definite" in r.note
+
+
+def test_norms_embeddings_and_head_stay_float(calibrated) -> None:
+    ckpt = Checkpoint(calibrated["gptq"])
+    names = set(ckpt.names())
+    for keep in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
+                 "model.layers.0.self_attn.k_norm.weight"):
+        assert keep in names and ckpt.info(keep).dtype == torch.bfloat16, keep
+    assert len(ckpt.quantized) == 4 * 7  # every decoder linear, nothing else
+    assert all(".layers." in n and n.endswith("_proj.weight") for n in ckpt.quantized)
+    cfg = json.loads((calibrated["gptq"] / "config.json").read_text())["quantization_config"]
+    assert cfg["ignore"] == ["lm_head"] and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+
+
+def test_transformers_decompresses_to_our_dequantisation(calibrated) -> None:
+    """compressed-tensors (what transformers and vLLM use) reads the checkpoint as we wrote it; its
+    decompression multiplies in the scale's dtype (bf16), ours in float32: equal after that rounding."""
+    import transformers
+    from transformers import CompressedTensorsConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        calibrated["gptq"], dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    ckpt = Checkpoint(calibrated["gptq"])
+    sd = model.state_dict()
+    for name in ckpt.quantized:
+        assert torch.equal(sd[name].to(torch.bfloat16), ckpt.get(name).to(torch.bfloat16)), name
+
+
+def test_gptq_report_shows_lower_error_than_rtn(calibrated) -> None:
+    report = json.loads((calibrated["gptq"] / "calibration_report.json").read_text())
+    assert report["method"] == "gptq" and report["quantized"] == 28 and not report["fell_back_to_rtn"]
+    assert report["mean_error"] < report["mean_rtn_error"]
+    assert report["dataset"]["samples"] == 8 and report["dataset"]["seq_len"] == 64
+    assert len(report["layers"]) == 4
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_int4_graph_matches_its_dequantised_weights(calibrated, tmp_path, method: str) -> None:
+    """MatMulNBits (accuracy level 0) against transformers running the exact dequantised weights."""
+    from qwen2om.convert import convert
+    from qwen2om.verify import verify
+
+    out = tmp_path / "out"
+    result = convert(calibrated[method], out, overrides=["max_seq_len=128", "prefill_chunk=16"])
+    lowered = next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")
+    assert lowered["stats"]["lowered"] == 2 * 28  # both graphs
+    summary = (out / "graphs" / "summary.txt").read_text()
+    assert "op     MatMulNBits 28" in summary
+    report = verify(out, str(calibrated[method]), tokens=8, prompts=["The quick brown fox"])
+    assert report.passed and report.max_abs <= 1e-3
+
+
+def test_asymmetric_zero_points_reach_matmulnbits(tmp_path) -> None:
+    from qwen2om.convert import convert
+    from qwen2om.verify import verify
+
+    ckpt = tmp_path / "asym"
+    calibrate("builtin:tiny-qwen3", ckpt, CalibrationConfig(method="rtn", symmetric=False, **SMALL))
+    assert "model.layers.0.mlp.up_proj.weight_zero_point" in set(Checkpoint(ckpt).names())
+    out = tmp_path / "out"
+    convert(ckpt, out, overrides=["max_seq_len=128", "prefill_chunk=16"])
+    report = verify(out, str(ckpt), tokens=8, prompts=["Hello there"])
+    assert report.passed and report.max_abs <= 1e-3
+
+
+def test_calibrate_cli_bad_inputs(tmp_path, cli, calibrated) -> None:
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "a", "--num-samples", "2",
+                       "--seq-len", "32")
+    assert code == 2 and "input width 160 is not a multiple of --group-size 128" in err and "down_proj" in err
+    assert not (tmp_path / "a").exists()
+    code, _, err = cli("calibrate", calibrated["rtn"], "-o", tmp_path / "b")
+    assert code == 2 and "already quantised" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken}\n')
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "c", "--group-size", "32",
+                       "--dataset", bad)
+    assert code == 2 and f"{bad}:2: not valid JSON" in err
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "c", "--group-size", "32",
+                       "--dataset", bad)
+    assert code == 2 and f"{bad}:2: not UTF-8" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "c", "--group-size", "32",
+                       "--dataset", empty)
+    assert code == 2 and "empty" in err
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", calibrated["rtn"], "--method", "rtn",
+                       "--group-size", "32")
+    assert code == 2 and "--force" in err
+
+
+def test_short_dataset_is_packed_and_counted(tmp_path, cli) -> None:
+    data = tmp_path / "chat.jsonl"
+    lines = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+             {"text": "A short line."}] * 3
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    code, out, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--group-size", "32",
+                         "--dataset", data, "--num-samples", "50", "--seq-len", "16")
+    assert code == 0, err
+    report = json.loads((tmp_path / "o" / "calibration_report.json").read_text())
+    n = report["dataset"]["samples"]
+    assert 0 < n < 50 and f"{n} samples of 16 tokens, not the 50 asked for" in err
+
+
+@pytest.mark.parametrize("name", ["prose", "code", "chinese", "chat", "prose+code"])
+def test_builtin_datasets_give_full_windows(name: str, checkpoint) -> None:
+    from qwen2om.datasets import windows
+
+    w = windows(f"builtin:{name}", checkpoint("tiny-qwen3"), num_samples=4, seq_len=128)
+    assert len(w.samples) == 4 and all(len(s) == 128 for s in w.samples) and len(w.sha256) == 64
+    if name == "chinese":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(checkpoint("tiny-qwen3") / "tokenizer.json"))
+        text = "".join(tok.decode(s) for s in w.samples)
+        assert sum("\u4e00" <= c <= "\u9fff" for c in text) > 40
+    if name == "chat":
+        assert 151644 in w.samples[0]  # <|im_start|>: formatted with the chat template
+
+
+def test_unknown_builtin_dataset_lists_the_known_ones(checkpoint) -> None:
+    from qwen2om.datasets import DatasetError, windows
+
+    with pytest.raises(DatasetError, match="known: prose, code, chinese, chat"):
+        windows("builtin:poetry", checkpoint("tiny-qwen3"), num_samples=1, seq_len=8)
