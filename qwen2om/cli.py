@@ -271,6 +271,56 @@ def calibrate(
                       f"report: {out}/calibration_report.json")
 
 
+eval_app = typer.Typer(help="Measure quality: perplexity, and agreement with a float reference.",
+                       no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+EVAL_DATASET = "builtin:prose"
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: Annotated[str, typer.Argument(help="checkpoint directory, builtin:NAME, or qwen2om output directory")],
+    dataset: Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")] = EVAL_DATASET,
+    window: Annotated[int, typer.Option(help="tokens per non-overlapping window")] = 256,
+    max_windows: Annotated[int, typer.Option(help="windows scored")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Perplexity over non-overlapping windows: exp(total NLL / scored tokens)."""
+    from qwen2om.evaluate import perplexity
+
+    with progress_bar(not as_json) as progress:
+        r = perplexity(model, dataset, window=window, max_windows=max_windows,
+                       progress=lambda d, t: progress("windows", d, t))
+    if as_json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return
+    out_console.print(f"perplexity {r.ppl:.3f} on {r.tokens} tokens ({r.windows} windows of {r.window}, "
+                      f"no overlap) of {r.dataset}")
+
+
+@eval_app.command("agree")
+def eval_agree(
+    model: Annotated[str, typer.Argument(help="the (quantised) model: checkpoint or output directory")],
+    reference: Annotated[str, typer.Option(help="the float reference: checkpoint or output directory")],
+    dataset: Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")] = EVAL_DATASET,
+    window: Annotated[int, typer.Option(help="tokens per non-overlapping window")] = 256,
+    max_windows: Annotated[int, typer.Option(help="windows scored")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Top-1 agreement and mean KL(reference ‖ model) per position, plus both perplexities."""
+    from qwen2om.evaluate import agreement
+
+    with progress_bar(not as_json) as progress:
+        r = agreement(model, reference, dataset, window=window, max_windows=max_windows,
+                      progress=lambda d, t: progress("windows", d, t))
+    if as_json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return
+    out_console.print(f"top-1 agreement {r.top1_agreement:.2%}, mean KL {r.mean_kl:.4f} nats, perplexity "
+                      f"{r.ppl:.3f} vs {r.reference_ppl:.3f} (reference) on {r.tokens} tokens "
+                      f"({r.windows} windows of {r.window}) of {r.dataset}")
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit non-zero; Ctrl-C exits cleanly."""
     from qwen2om.environment import torch_npu_without_cann

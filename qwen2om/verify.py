@@ -86,6 +86,7 @@ def load_reference(ref_dir: Path) -> Any:
 
     from qwen2om.checkpoint import Checkpoint
 
+    transformers.utils.logging.disable_progress_bar()
     ckpt = Checkpoint(ref_dir)
     if not ckpt.quantized:
         return transformers.AutoModelForCausalLM.from_pretrained(
