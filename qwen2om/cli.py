@@ -275,15 +275,17 @@ eval_app = typer.Typer(help="Measure quality: perplexity, and agreement with a f
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 EVAL_DATASET = "builtin:prose"
+DatasetOpt = Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")]
+WindowOpt = Annotated[int, typer.Option(help="tokens per non-overlapping window")]
+WindowsOpt = Annotated[int, typer.Option(help="windows scored")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 
 
 @eval_app.command("ppl")
 def eval_ppl(
     model: Annotated[str, typer.Argument(help="checkpoint directory, builtin:NAME, or qwen2om output directory")],
-    dataset: Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")] = EVAL_DATASET,
-    window: Annotated[int, typer.Option(help="tokens per non-overlapping window")] = 256,
-    max_windows: Annotated[int, typer.Option(help="windows scored")] = 16,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    dataset: DatasetOpt = EVAL_DATASET, window: WindowOpt = 256, max_windows: WindowsOpt = 16,
+    as_json: JsonOpt = False,
 ) -> None:
     """Perplexity over non-overlapping windows: exp(total NLL / scored tokens)."""
     from qwen2om.evaluate import perplexity
@@ -302,10 +304,8 @@ def eval_ppl(
 def eval_agree(
     model: Annotated[str, typer.Argument(help="the (quantised) model: checkpoint or output directory")],
     reference: Annotated[str, typer.Option(help="the float reference: checkpoint or output directory")],
-    dataset: Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")] = EVAL_DATASET,
-    window: Annotated[int, typer.Option(help="tokens per non-overlapping window")] = 256,
-    max_windows: Annotated[int, typer.Option(help="windows scored")] = 16,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    dataset: DatasetOpt = EVAL_DATASET, window: WindowOpt = 256, max_windows: WindowsOpt = 16,
+    as_json: JsonOpt = False,
 ) -> None:
     """Top-1 agreement and mean KL(reference ‖ model) per position, plus both perplexities."""
     from qwen2om.evaluate import agreement
