@@ -222,7 +222,8 @@ def calibrate(
     model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
     out: Annotated[Path, typer.Option("--out", "-o", help="quantised checkpoint directory to write")],
     scheme: Annotated[str, typer.Option(help="quantisation scheme: w4a16")] = "w4a16",
-    method: Annotated[str, typer.Option(help="gptq (Hessian-based, static act-order) or rtn (data-free)")] = "gptq",
+    method: Annotated[str, typer.Option(help="gptq (Hessian-based, static act-order), awq (activation-aware "
+                                        "scaling + clipping search) or rtn (data-free)")] = "gptq",
     group_size: Annotated[int, typer.Option(help="input columns sharing one scale")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="symmetric (no zero point) or asymmetric")] = True,
     dataset: Annotated[str, typer.Option(help="JSONL ({text} or {messages}), a text file, or builtin:NAME[+NAME] "

@@ -29,7 +29,7 @@ def partial_dir(out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, *, force: bool, resume: bool = False,
+def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
                   log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
     """A staging sibling of `out` that becomes `out` only if the block succeeds.
 
@@ -43,10 +43,11 @@ def staged_output(out: Path, *, force: bool, resume: bool = False,
         raise OutputExistsError(f"{out} exists and is not a directory")
     if out.exists() and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        # --force replaces an earlier output, never an arbitrary folder (think `-o ~ --force`).
+    if out.exists() and any(out.iterdir()) and not (out / marker).is_file():
+        # --force replaces an earlier output (`marker` is the file each command writes), never an
+        # arbitrary folder (think `-o ~ --force`).
         raise OutputExistsError(
-            f"{out} is not empty and holds no {MANIFEST}: refusing to replace it, even with --force")
+            f"{out} is not empty and holds no {marker}: refusing to replace it, even with --force")
     stage = partial_dir(out)
     if stage.exists() and not resume and not force:
         raise OutputExistsError(f"an interrupted conversion into {out} is kept in {stage}: rerun with --resume "

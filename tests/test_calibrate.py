@@ -19,7 +19,7 @@ SMALL = dict(group_size=32, num_samples=8, seq_len=64)
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
-    for method in ("gptq", "rtn"):
+    for method in ("gptq", "rtn", "awq"):
         path = tmp_path_factory.mktemp("cal") / method
         calibrate("builtin:tiny-qwen3", path, CalibrationConfig(method=method, **SMALL))
         out[method] = path
@@ -92,7 +92,40 @@ def test_gptq_report_shows_lower_error_than_rtn(calibrated) -> None:
     assert len(report["layers"]) == 4
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_awq_scales_protect_outlier_channels() -> None:
+    """AWQ's scaled-and-clipped rounding beats plain rounding when a few input channels dominate."""
+    from qwen2om.quant.awq import clip_quantize, search_scale
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 256, generator=g) * 0.5
+    x[:, :8] *= 30
+    w = torch.randn(64, 256, generator=g) * 0.05
+    h = 2 * x.T @ x / x.shape[0]
+    spec = Int4Spec(64, True)
+    q, s, _ = rtn(w, spec)
+    scale, base, best = search_scale([w], [h], x.abs().mean(0), spec)
+    assert best < base
+    q2, s2, _ = clip_quantize(w * scale, h / (scale[:, None] * scale[None, :]), spec)
+    awq_err = output_error(w, dequantize(q2, s2, None, 64) / scale, h)
+    assert awq_err < output_error(w, dequantize(q, s, None, 64), h) / 1.5
+
+
+def test_awq_folds_its_scales_into_float_norms(calibrated) -> None:
+    """The 1/s of AWQ lives in the (still float) norm weights; the report shows the error it saved."""
+    report = json.loads((calibrated["awq"] / "calibration_report.json").read_text())
+    assert report["method"] == "awq" and report["mean_error"] < report["mean_rtn_error"]
+    awq, gptq_ = Checkpoint(calibrated["awq"]), Checkpoint(calibrated["gptq"])
+    name = "model.layers.0.input_layernorm.weight"
+    assert awq.info(name).dtype == torch.bfloat16 and not torch.equal(awq.get(name), gptq_.get(name))
+
+
+def test_force_replaces_an_earlier_calibration(calibrated, cli) -> None:
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", calibrated["rtn"], "--method", "rtn",
+                       "--group-size", "32", "--force")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn", "awq"])
 def test_int4_graph_matches_its_dequantised_weights(calibrated, tmp_path, method: str) -> None:
     """MatMulNBits (accuracy level 0) against transformers running the exact dequantised weights."""
     from qwen2om.convert import convert

@@ -32,12 +32,19 @@ from qwen2om.datasets import windows
 from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import staged_output
-from qwen2om.quant.gptq import gptq, output_error
+from qwen2om.quant.awq import clip_quantize, search_scale
+from qwen2om.quant.gptq import GPTQResult, gptq, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
 from qwen2om.static_model import Linear
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
+REPORT = "calibration_report.json"
+# AWQ's scaling groups: (the module whose output feeds them, the linears sharing that input).
+AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+              ("self_attn.v_proj", ("self_attn.o_proj",)),
+              ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+              ("mlp.up_proj", ("mlp.down_proj",)))
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
 
 
@@ -107,6 +114,7 @@ class Calibrator:
         self.ckpt, self.cfg, self.writer, self.progress, self.log = ckpt, cfg, writer, progress, log
         self.spec = Int4Spec(cfg.group_size, cfg.symmetric)
         self.reports: list[LinearReport] = []
+        self.rtn_before: dict[str, float] = {}
         self.layer_seconds: list[float] = []
 
     def targets(self) -> list[str]:
@@ -147,15 +155,22 @@ class Calibrator:
     def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
         dtype = self.ckpt.info(self.source(name)).dtype
-        try:
-            r = gptq(w, h, self.spec, damp=self.cfg.damp, actorder=self.cfg.actorder, scale_dtype=dtype, name=name)
-        except ValueError as e:
-            raise CalibrationError(str(e)) from None
+        if self.cfg.method == "awq":
+            q, scale, zp = clip_quantize(w, h, self.spec, scale_dtype=dtype)
+            r = GPTQResult(q, scale, zp, "awq")
+        else:
+            try:
+                r = gptq(w, h, self.spec, damp=self.cfg.damp, actorder=self.cfg.actorder, scale_dtype=dtype,
+                         name=name)
+            except ValueError as e:
+                raise CalibrationError(str(e)) from None
         if r.note:
             self.log(f"{name}: GPTQ fell back to RTN: {r.note}")
         w_hat = dequantize(r.q, r.scale, r.zp if not self.spec.symmetric else None, self.spec.group)
         q0, s0, z0 = rtn(w, self.spec, name)
-        rtn_err = output_error(w, dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), h)
+        rtn_err = self.rtn_before.pop(name, None)  # AWQ: RTN of the weight before its scaling
+        if rtn_err is None:
+            rtn_err = output_error(w, dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), h)
         self.reports.append(LinearReport(name, r.method, rtn_err, output_error(w, w_hat, h), r.note))
         for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype).items():
             self.writer.add(k, v)
@@ -190,8 +205,8 @@ class Calibrator:
         try:
             for i in range(d.layers):
                 t0 = time.perf_counter()
-                store = self.gptq_layer(runner, i, store, [n for n in per_layer[i] if n in targets])
-                self.copy([n for n in per_layer[i] if n not in targets])
+                store, changed = self.calibrate_layer(runner, i, store, [n for n in per_layer[i] if n in targets])
+                self.copy([n for n in per_layer[i] if n not in targets and n not in changed])
                 self.layer_seconds.append(time.perf_counter() - t0)
                 self.progress("calibrating layers", i + 1, d.layers)
             if LM_HEAD in targets:
@@ -199,34 +214,22 @@ class Calibrator:
         finally:
             store.close()
 
-    def gptq_layer(self, runner: LayerRunner, index: int, store: ActivationStore, names: list[str]) -> ActivationStore:
+    def calibrate_layer(self, runner: LayerRunner, index: int, store: ActivationStore,
+                        names: list[str]) -> tuple[ActivationStore, list[str]]:
+        """Quantise layer `index`'s linears `names` from its inputs in `store`; returns the next layer's
+        inputs (computed by the quantised layer) and the float tensors AWQ changed, already written."""
         layer = runner.layer(index)
-        linears = {f"model.layers.{index}.{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
+        prefix = f"model.layers.{index}."
+        linears = {f"{prefix}{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
         missing = [n for n in names if n not in linears]
         if missing:
             raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
-        hess = {n: torch.zeros(linears[n].weight.shape[0], linears[n].weight.shape[0]) for n in names}
-        seen = dict.fromkeys(names, 0)
-
-        def hook(name: str) -> Callable[..., None]:
-            def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                total = seen[name] + x.shape[0]
-                hess[name] *= seen[name] / total
-                hess[name] += (2 / total) * x.T @ x
-                seen[name] = total
-            return accumulate
-
-        handles = [linears[n].register_forward_pre_hook(hook(n)) for n in names]
-        with torch.no_grad():
-            for i in store:
-                y = runner.forward(layer, torch.from_numpy(np.array(store.get(i))))
-                if not torch.isfinite(y).all():
-                    raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite")
-        for h in handles:
-            h.remove()
+        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names})
+        changed: list[str] = []
+        if self.cfg.method == "awq":
+            changed = self.awq_scale(layer, prefix, linears, names, hess, x_abs)
         for n in names:
-            w = linears[n].weight.data.T.contiguous()  # stored [in, out]; GPTQ works on [out, in]
+            w = linears[n].weight.data.T.contiguous()  # stored [in, out]; the algorithms work on [out, in]
             w_hat = self.quantize_hessian(n, w, hess.pop(n))
             linears[n].weight.data = w_hat.T.contiguous().to(linears[n].weight.dtype)
         out = ActivationStore(self.cfg.activation_budget)
@@ -235,7 +238,76 @@ class Calibrator:
                 out.put(i, runner.forward(layer, torch.from_numpy(np.array(store.get(i)))).numpy())
                 store.drop(i)
         store.close()
-        return out
+        return out, changed
+
+    def collect(self, runner: LayerRunner, layer: torch.nn.Module, index: int, store: ActivationStore,
+                linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One pass over the samples: each linear's input Hessian mean(2xxᵀ) and mean |x| per channel."""
+        hess = {n: torch.zeros(m.weight.shape[0], m.weight.shape[0]) for n, m in linears.items()}
+        x_abs = {n: torch.zeros(m.weight.shape[0]) for n, m in linears.items()}
+        seen = dict.fromkeys(linears, 0)
+
+        def hook(name: str) -> Callable[..., None]:
+            def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                total = seen[name] + x.shape[0]
+                hess[name] *= seen[name] / total
+                hess[name] += (2 / total) * x.T @ x
+                x_abs[name] = x_abs[name] * (seen[name] / total) + x.abs().sum(0) / total
+                seen[name] = total
+            return accumulate
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+        try:
+            with torch.no_grad():
+                for i in store:
+                    y = runner.forward(layer, torch.from_numpy(np.array(store.get(i))))
+                    if not torch.isfinite(y).all():
+                        raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite")
+        finally:
+            for h in handles:
+                h.remove()
+        return hess, x_abs
+
+    def awq_scale(self, layer: torch.nn.Module, prefix: str, linears: dict[str, Linear], names: list[str],
+                  hess: dict[str, torch.Tensor], x_abs: dict[str, torch.Tensor]) -> list[str]:
+        """Search and apply AWQ's input-channel scales in place; returns the float tensors changed."""
+        modules = dict(layer.named_modules())
+        changed: list[str] = []
+        for producer, consumers in AWQ_GROUPS:
+            group = [f"{prefix}{c}.weight" for c in consumers]
+            if not all(g in names for g in group):
+                continue
+            prev = modules[producer]
+            width = prev.weight.shape[-1] if isinstance(prev, Linear) else prev.weight.shape[0]
+            if width != linears[group[0]].weight.shape[0]:
+                continue  # e.g. v_proj → o_proj under GQA: v's outputs are not o's inputs one to one
+            ws = [linears[g].weight.data.T.float() for g in group]
+            for g, w in zip(group, ws, strict=True):
+                q0, s0, z0 = rtn(w, self.spec, g)
+                self.rtn_before[g] = output_error(w, dequantize(q0, s0, z0, self.spec.group), hess[g])
+            s, base, best = search_scale(ws, [hess[g] for g in group], x_abs[group[0]], self.spec)
+            if best >= base:
+                continue  # s = 1 is best: leave the group alone
+            if isinstance(prev, Linear):  # its output channels shrink by s: stored [in, out], so columns
+                prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+                if prev.bias is not None:
+                    prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
+                    changed.append(f"{prefix}{producer}.bias")
+            else:  # a norm: scale applied after normalisation
+                prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+                changed.append(f"{prefix}{producer}.weight")
+            for g in group:
+                linears[g].weight.data = (linears[g].weight.data.float() * s[:, None]).to(linears[g].weight.dtype)
+                hess[g] = hess[g] / (s[:, None] * s[None, :])
+        dtype = self.ckpt.info(f"{prefix}input_layernorm.weight").dtype
+        for name in changed:  # written as stored, and the layer keeps exactly the stored value
+            module, attr = name.removeprefix(prefix).rsplit(".", 1)
+            param = getattr(modules[module], attr)
+            stored = param.data.to(dtype)
+            param.data = stored.to(param.dtype)
+            self.writer.add(name, stored)
+        return changed
 
     def gptq_lm_head(self, runner: LayerRunner, store: ActivationStore) -> None:
         k = self.ckpt.dims.hidden
@@ -272,7 +344,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         data = windows(cfg.dataset, source, num_samples=cfg.num_samples, seq_len=seq_len)
         for note in data.notes:
             log(note)
-    with staged_output(Path(out), force=force) as stage:
+    with staged_output(Path(out), force=force, marker=REPORT) as stage:
         writer = ShardWriter(stage)
         cal = Calibrator(ckpt, cfg, writer, progress, log)
         cal.run(data.samples if data else [])
@@ -297,6 +369,6 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
                         "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name]}
                        for i, s in enumerate(cal.layer_seconds)],
         }
-        (stage / "calibration_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     ckpt.close()
     return CalibrationResult(Path(out), report)
