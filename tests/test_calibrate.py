@@ -214,3 +214,38 @@ def test_unknown_builtin_dataset_lists_the_known_ones(checkpoint) -> None:
 
     with pytest.raises(DatasetError, match="known: prose, code, chinese, chat"):
         windows("builtin:poetry", checkpoint("tiny-qwen3"), num_samples=1, seq_len=8)
+
+
+def _poisoned(checkpoint, tmp_path, name: str, value: float) -> Path:
+    """tiny-qwen3 with one value of tensor `name` replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("tiny-qwen3"), src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_nan_weight_names_the_tensor_and_writes_nothing(checkpoint, tmp_path, cli, method: str) -> None:
+    src = _poisoned(checkpoint, tmp_path, "model.layers.2.mlp.up_proj.weight", float("nan"))
+    code, _, err = cli("calibrate", src, "-o", tmp_path / "out", "--method", method, "--group-size", "32",
+                       "--num-samples", "2", "--seq-len", "32")
+    assert code == 2 and "model.layers.2.mlp.up_proj.weight: 1 non-finite values" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_non_finite_layer_output_names_the_layer(checkpoint, tmp_path, cli) -> None:
+    """A finite but huge norm weight overflows the layer's output: the error names the layer."""
+    src = _poisoned(checkpoint, tmp_path, "model.layers.1.post_attention_layernorm.weight", 3e38)
+    code, _, err = cli("calibrate", src, "-o", tmp_path / "out", "--group-size", "32", "--num-samples", "2",
+                       "--seq-len", "32")
+    assert code == 2 and "layer 1: its output on calibration sample 0 is not finite" in err
+    assert not (tmp_path / "out").exists()

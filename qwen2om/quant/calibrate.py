@@ -141,10 +141,16 @@ class Calibrator:
     def source(self, name: str) -> str:
         return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
 
+    def finite(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(w).all():
+            bad = int((~torch.isfinite(w)).sum())
+            raise CalibrationError(f"{name}: {bad} non-finite values (NaN/Inf) in the weight; nothing was written")
+        return w
+
     def quantize_rtn(self, name: str) -> None:
         src = self.source(name)
         dtype = self.ckpt.info(src).dtype
-        w = self.ckpt.get(src, torch.float32)
+        w = self.finite(src, self.ckpt.get(src, torch.float32))
         _, scale, zp = rtn(w, self.spec, name)
         scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
         q = quantize(w, scale, zp, self.spec.group)
@@ -224,6 +230,8 @@ class Calibrator:
         missing = [n for n in names if n not in linears]
         if missing:
             raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
+        for n in names:
+            self.finite(n, linears[n].weight.data)
         hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names})
         changed: list[str] = []
         if self.cfg.method == "awq":
@@ -263,7 +271,8 @@ class Calibrator:
                 for i in store:
                     y = runner.forward(layer, torch.from_numpy(np.array(store.get(i))))
                     if not torch.isfinite(y).all():
-                        raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite")
+                        raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite "
+                                               "(NaN/Inf); nothing was written")
         finally:
             for h in handles:
                 h.remove()
