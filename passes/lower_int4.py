@@ -23,27 +23,10 @@ import torch
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
-from qwen2om.quant.int4 import unpack_int4
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
 
 MS_DOMAIN = "com.microsoft"
-
-
-def nbits_zero_points(q: Int4Weight, ckpt: object) -> torch.Tensor:
-    """compressed-tensors zero points (int4 packed along N) → MatMulNBits' uint8 [N·ceil(K/block/2)]."""
-    zp = unpack_int4(ckpt.get(q.tensor("zero_point")), q.n, dim=0).to(torch.int32) + 8  # type: ignore[attr-defined]
-    blocks = zp.shape[1]
-    if blocks % 2:
-        zp = torch.nn.functional.pad(zp, (0, 1), value=8)
-    pairs = zp.reshape(q.n, -1, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).reshape(-1)
-
-
-def packed_bytes(q: Int4Weight, ckpt: object) -> torch.Tensor:
-    """`weight_packed` int32 [N, K/8] as MatMulNBits' B: its little-endian bytes, [N, K/block, block/2]."""
-    raw = ckpt.get(q.tensor("packed")).view(torch.uint8)  # type: ignore[attr-defined]
-    return raw.reshape(q.n, q.k // q.group, q.group // 2)
 
 
 @register
@@ -85,14 +68,14 @@ class LowerInt4:
                 inputs = [node.inputs[0],
                           self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits", ir.DataType.UINT8,
                                            [q.n, blocks, q.group // 2],
-                                           lambda q=q: packed_bytes(q, ckpt)),
+                                           lambda q=q: q.nbits_b(ckpt)),
                           self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits_scale", onnx_dtype,
                                            [q.n * blocks],
-                                           lambda q=q: ckpt.get(q.tensor("scale")).to(dtype).reshape(-1))]
-                if not q.symmetric:
+                                           lambda q=q: q.unpacked(ckpt)[1].to(dtype).reshape(-1))]
+                if q.has_zero_point:
                     inputs.append(self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits_zero_point",
                                                    ir.DataType.UINT8, [q.n * ((blocks + 1) // 2)],
-                                                   lambda q=q: nbits_zero_points(q, ckpt)))
+                                                   lambda q=q: q.nbits_zero_points(ckpt)))
                 new = ir.Node(MS_DOMAIN, "MatMulNBits", inputs, [
                     ir.AttrInt64("K", q.k), ir.AttrInt64("N", q.n), ir.AttrInt64("bits", 4),
                     ir.AttrInt64("block_size", q.group), ir.AttrInt64("accuracy_level", self.accuracy_level)],

@@ -112,7 +112,7 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape; for a quantised `X.weight`, its logical float shape [N, K]."""
-        if name in self.quantized and name not in self._where:
+        if name in self.quantized:
             q = self.quantized[name]
             return (q.n, q.k)
         return self.info(name).shape
@@ -127,12 +127,16 @@ class Checkpoint:
     def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor (or rows [r0, r1) of it), converted to `dtype` when one is given. A quantised
         `X.weight` reads as its exact dequantisation, `(q - zp) · scale`, in float32."""
-        if name in self.quantized and name not in self._where:
+        if name in self.quantized:
             t = self.quantized[name].dequantize(self)
             t = t if rows is None else t[rows[0]:rows[1]]
             return t if dtype is None else t.to(dtype)
         t = self._open(self._shard(name)).read(name, rows)
         return t if dtype is None else t.to(dtype)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor exactly as stored (a quantised weight's int8/int32 storage, not its dequantisation)."""
+        return self._open(self._shard(name)).read(name)
 
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
         """Check every tensor the architecture needs is present with the config's shape."""

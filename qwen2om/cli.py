@@ -217,6 +217,9 @@ def verify(
         raise typer.Exit(1)
 
 
+CT = "compressed-tensors"
+
+
 @app.command()
 def calibrate(
     model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
@@ -233,7 +236,8 @@ def calibrate(
     batch_size: Annotated[int, typer.Option(help="samples per forward (1: layer-by-layer memory is smallest)")] = 1,
     quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="also quantise lm_head")] = False,
     ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable)")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="compressed-tensors")] = "compressed-tensors",
+    fmt: Annotated[str, typer.Option("--format", help="compressed-tensors (transformers, vLLM, convert) or "
+                                     "ascendv1 (msModelSlim's W4A16: MindIE, vLLM-Ascend, convert)")] = CT,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
     """Quantise MODEL's linear weights to int4 (W4A16), layer by layer; norms, embeddings, RoPE and
@@ -244,13 +248,11 @@ def calibrate(
 
     if scheme != "w4a16":
         raise CalibrationError(f"--scheme {scheme!r}: only w4a16 is implemented")
-    if fmt != "compressed-tensors":
-        raise CalibrationError(f"--format {fmt!r}: only compressed-tensors is implemented (ascendv1 is not yet)")
     if batch_size != 1:
         raise CalibrationError("--batch-size: only 1 is implemented (samples go through each layer one by one)")
     cfg = CalibrationConfig(method=method, group_size=group_size, symmetric=sym, dataset=dataset,
                             num_samples=num_samples, seq_len=seq_len, quantize_lm_head=quantize_lm_head,
-                            ignore=tuple(ignore or ()))
+                            ignore=tuple(ignore or ()), fmt=fmt)
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
     r = result.report

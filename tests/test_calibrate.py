@@ -249,3 +249,29 @@ def test_non_finite_layer_output_names_the_layer(checkpoint, tmp_path, cli) -> N
                        "--seq-len", "32")
     assert code == 2 and "layer 1: its output on calibration sample 0 is not finite" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_ascendv1_format_holds_the_same_quantisation(calibrated, tmp_path) -> None:
+    """msModelSlim's W4A16 layout (int8 values in [-8, 7], float32 scale/offset, a description file):
+    the same GPTQ run stored both ways dequantises identically, and converts to a graph that verifies."""
+    from qwen2om.convert import convert
+    from qwen2om.verify import verify
+
+    out = tmp_path / "asc"
+    calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="gptq", fmt="ascendv1", **SMALL))
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    assert desc["model_quant_type"] == "W4A16" and desc["group_size"] == 32
+    assert desc["model.layers.0.self_attn.q_proj.weight"] == "W4A16" and desc["model.norm.weight"] == "FLOAT"
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    asc, ct = Checkpoint(out), Checkpoint(calibrated["gptq"])
+    name = "model.layers.1.mlp.down_proj.weight"
+    raw = asc.raw(name)
+    assert raw.dtype == torch.int8 and raw.min() >= -8 and raw.max() <= 7
+    assert asc.raw("model.layers.1.mlp.down_proj.weight_scale").dtype == torch.float32
+    assert set(asc.quantized) == set(ct.quantized)
+    for n in asc.quantized:
+        assert torch.equal(asc.get(n), ct.get(n)), n
+    result = convert(out, tmp_path / "onnx", overrides=["max_seq_len=128", "prefill_chunk=16"])
+    assert next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")["stats"]["lowered"] == 56
+    report = verify(tmp_path / "onnx", str(out), tokens=8, prompts=["Once upon a time"])
+    assert report.passed and report.max_abs <= 1e-3

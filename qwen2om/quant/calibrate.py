@@ -36,9 +36,11 @@ from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.gptq import GPTQResult, gptq, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
+from qwen2om.quantized import DESCRIPTION
 from qwen2om.static_model import Linear
 
 METHODS = ("rtn", "gptq", "awq")
+FORMATS = ("compressed-tensors", "ascendv1")
 REPORT = "calibration_report.json"
 # AWQ's scaling groups: (the module whose output feeds them, the linears sharing that input).
 AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -66,6 +68,7 @@ class CalibrationConfig:
     damp: float = 0.01
     actorder: bool = True
     activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
+    fmt: str = "compressed-tensors"  # or "ascendv1" (msModelSlim's W4A16, for MindIE / vLLM-Ascend)
 
 
 @dataclasses.dataclass
@@ -98,9 +101,12 @@ def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, 
 
 
 def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Int4Spec,
-           dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """compressed-tensors tensors for one quantised weight `...X.weight`."""
+           dtype: torch.dtype, fmt: str = "compressed-tensors") -> dict[str, torch.Tensor]:
+    """The stored tensors of one quantised weight `...X.weight`, in `fmt`."""
     base = name.removesuffix(".weight")
+    if fmt == "ascendv1":  # msModelSlim: int8 holding int4 values, float32 scale and offset (= zero point)
+        return {name: q.to(torch.int8), f"{base}.weight_scale": scale.float(),
+                f"{base}.weight_offset": zp.float()}
     out = {f"{base}.weight_packed": pack_int4(q), f"{base}.weight_scale": scale.to(dtype),
            f"{base}.weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
     if not spec.symmetric:
@@ -154,7 +160,7 @@ class Calibrator:
         _, scale, zp = rtn(w, self.spec, name)
         scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
         q = quantize(w, scale, zp, self.spec.group)
-        for k, v in packed(name, q, scale, zp, self.spec, dtype).items():
+        for k, v in packed(name, q, scale, zp, self.spec, dtype, self.cfg.fmt).items():
             self.writer.add(k, v)
         self.reports.append(LinearReport(name, "rtn", None, None))
 
@@ -178,7 +184,7 @@ class Calibrator:
         if rtn_err is None:
             rtn_err = output_error(w, dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), h)
         self.reports.append(LinearReport(name, r.method, rtn_err, output_error(w, w_hat, h), r.note))
-        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype).items():
+        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype, self.cfg.fmt).items():
             self.writer.add(k, v)
         return w_hat
 
@@ -329,6 +335,16 @@ class Calibrator:
         self.quantize_hessian(LM_HEAD, self.ckpt.get(self.source(LM_HEAD), torch.float32), h)
 
 
+def description(ckpt: Checkpoint, cal: Calibrator) -> dict[str, Any]:
+    """msModelSlim's quant_model_description.json: every stored tensor → "W4A16" or "FLOAT"."""
+    quantized = {r.name for r in cal.reports}
+    out: dict[str, Any] = {"model_quant_type": "W4A16", "group_size": cal.spec.group}
+    for name in sorted(n for shard in cal.writer.shards for n in shard):
+        base = name.removesuffix("_scale").removesuffix("_offset")
+        out[name] = "W4A16" if base in quantized or name in quantized else "FLOAT"
+    return out
+
+
 @dataclasses.dataclass
 class CalibrationResult:
     out: Path
@@ -340,10 +356,12 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
               log: Callable[[str], None] = lambda m: None) -> CalibrationResult:
     if cfg.method not in METHODS:
         raise CalibrationError(f"--method {cfg.method!r} is not one of {', '.join(METHODS)}")
+    if cfg.fmt not in FORMATS:
+        raise CalibrationError(f"--format {cfg.fmt!r} is not one of {', '.join(FORMATS)}")
     source = resolve_model(model)
     ckpt = Checkpoint(source)
-    if ckpt.config.get("quantization_config"):
-        qm = ckpt.config["quantization_config"].get("quant_method", "?")
+    if ckpt.quantized or ckpt.config.get("quantization_config"):
+        qm = (ckpt.config.get("quantization_config") or {}).get("quant_method", DESCRIPTION)
         raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
     ckpt.validate_layout()
     t0 = time.perf_counter()
@@ -361,7 +379,10 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         config = dict(ckpt.config)
         if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False  # the head is now its own (quantised) tensor
-        config["quantization_config"] = quantization_config(cfg, cal.ignored())
+        if cfg.fmt == "ascendv1":
+            (stage / DESCRIPTION).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
+        else:
+            config["quantization_config"] = quantization_config(cfg, cal.ignored())
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in COPY_FILES:
             if (source / name).is_file():
