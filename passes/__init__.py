@@ -8,6 +8,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     load_checkpoint,
     lower_int4,
     package,
+    scale_inputs,
     static_model,
     write_onnx,
 )

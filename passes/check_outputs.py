@@ -8,6 +8,7 @@ conversion memory must not grow with the model, and `qwen2om verify` runs big mo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -70,6 +71,24 @@ def trial_run(path: Path, inputs: list[IOSpec]) -> None:
         raise Qwen2omError(f"{path.name}: logits are not finite on an all-zero input")
 
 
+def check_scale_map(stage: Path, sigs: dict[str, tuple[list[IOSpec], list[IOSpec]]]) -> None:
+    """Every scale input of every graph is in scale_map.json and scales.safetensors, and nothing else is."""
+    from qwen2om.safetensors_io import Shard
+
+    wanted = {s.name: s for inputs, _ in sigs.values() for s in inputs if s.role == "scale"}
+    path = stage / "scale_map.json"
+    listed = json.loads(path.read_text()) if path.is_file() else {}
+    if set(wanted) != set(listed):
+        only_graph, only_map = sorted(set(wanted) - set(listed)), sorted(set(listed) - set(wanted))
+        raise Qwen2omError(f"scale inputs and scale_map.json disagree: in the graphs only {only_graph[:3]}, "
+                           f"in scale_map.json only {only_map[:3]}")
+    if wanted:
+        stored = Shard(stage / "scales.safetensors").tensors
+        for name, spec in wanted.items():
+            if name not in stored or stored[name].shape != spec.shape:
+                raise Qwen2omError(f"scales.safetensors lacks {name!r} with shape {list(spec.shape)}")
+
+
 @register
 class CheckOutputs:
     """Each graph passes the ONNX checker with exactly the signature's I/O; small ones also run in ONNX Runtime."""
@@ -83,6 +102,7 @@ class CheckOutputs:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         files, sigs = ws.need("onnx_files"), ws.need("signatures")
+        check_scale_map(ctx.stage_dir, sigs)
         ran = 0
         for kind, (inputs, outputs) in sigs.items():
             weights = check_structure(files[kind], inputs, outputs)

@@ -95,6 +95,8 @@ def convert(
     prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="static batch size (default 1)")] = None,
     target: Annotated[str | None, typer.Option(help="compile target: ort")] = None,
+    scales: Annotated[str | None, typer.Option(help="quantised checkpoints: scales as graph constants (default) or "
+                                               "as graph inputs with scale_map.json + scales.safetensors")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists (and discard an interrupted "
                                         "run's work)")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion into OUT: finished "
@@ -118,7 +120,7 @@ def convert(
 
     overrides = list(set_ or [])
     for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
-                       ("batch_size", batch_size), ("target", target)):
+                       ("batch_size", batch_size), ("target", target), ("scales", scales)):
         if value is not None:
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:

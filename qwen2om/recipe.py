@@ -20,6 +20,7 @@ AUTO = "auto"
 DTYPES = ("fp32", "fp16")
 TARGETS = ("ort",)
 LOGITS = ("last", "all")
+SCALES = ("constants", "inputs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Recipe:
     prefill_chunk: int | str = AUTO  # T of the prefill graph; auto = 128 or max_seq_len if smaller
     batch_size: int = 1
     logits: str = "last"  # prefill graph returns logits for the last token only, or all T
+    scales: str = "constants"  # quantisation scales as graph constants, or as graph inputs (scale_map.json)
     opset: int = 18
     ir_version: int = 8
     name: str = ""
@@ -61,6 +63,7 @@ class Recipe:
         one_of("dtype", DTYPES)
         one_of("target", TARGETS)
         one_of("logits", LOGITS)
+        one_of("scales", SCALES)
         for field in ("max_seq_len", "prefill_chunk", "batch_size"):
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):

@@ -10,6 +10,7 @@ from qwen2om.arch import ModelDims
 ROLE_IDS, ROLE_MASK, ROLE_POSITIONS = "ids", "mask", "positions"
 ROLE_PAST_KEY, ROLE_PAST_VALUE = "past_key", "past_value"
 ROLE_LOGITS, ROLE_PRESENT_KEY, ROLE_PRESENT_VALUE = "logits", "present_key", "present_value"
+ROLE_SCALE = "scale"  # a quantisation scale fed as an input (`scales: inputs`), values in scales.safetensors
 
 
 @dataclasses.dataclass(frozen=True)

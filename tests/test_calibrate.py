@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,41 @@ def test_ascendv1_format_holds_the_same_quantisation(calibrated, tmp_path) -> No
     assert next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")["stats"]["lowered"] == 56
     report = verify(tmp_path / "onnx", str(out), tokens=8, prompts=["Once upon a time"])
     assert report.passed and report.max_abs <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_scales_as_graph_inputs(calibrated, tmp_path, dtype: str) -> None:
+    """`--scales inputs`: every quantised linear's scales become a `<weight>.scale` input listed in
+    scale_map.json, with values in scales.safetensors that the runtime binds once."""
+    from safetensors.torch import load_file
+
+    from qwen2om.convert import convert
+    from qwen2om.runtime.standalone import Engine, RuntimeInputError
+    from qwen2om.verify import verify
+
+    out = tmp_path / "out"
+    result = convert(calibrated["gptq"], out, overrides=["max_seq_len=128", "prefill_chunk=16", f"dtype={dtype}",
+                                                          "scales=inputs"])
+    scale_ios = [io for io in result.manifest["graphs"]["decode"]["inputs"] if io["role"] == "scale"]
+    assert len(scale_ios) == 28
+    smap = json.loads((out / "scale_map.json").read_text())
+    assert {io["name"] for io in scale_ios} == set(smap)
+    entry = smap["model.layers.2.self_attn.o_proj.weight.scale"]
+    assert entry["layer"] == 2 and entry["shape"] == [64, 4] and entry["group_size"] == 32
+    assert entry["source"] == "model.layers.2.self_attn.o_proj.weight_scale"
+    values = load_file(out / "scales.safetensors")
+    ckpt = Checkpoint(calibrated["gptq"])
+    assert torch.equal(values["model.layers.2.self_attn.o_proj.weight.scale"],
+                       ckpt.raw(entry["source"]).float())
+    if dtype == "fp32":
+        report = verify(out, str(calibrated["gptq"]), tokens=8, prompts=["A scale input"])
+        assert report.passed and report.max_abs <= 1e-3
+    else:
+        logits = Engine(out).prefill([[9707, 11, 1879]])
+        assert np.isfinite(logits).all()
+    from safetensors.torch import save_file
+
+    values.pop("model.layers.2.self_attn.o_proj.weight.scale")
+    save_file(values, str(out / "scales.safetensors"))
+    with pytest.raises(RuntimeInputError, match="model.layers.2.self_attn.o_proj.weight.scale"):
+        Engine(out)

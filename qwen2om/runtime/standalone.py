@@ -89,6 +89,44 @@ class Stats:
                 f"decode {self.new_tokens} tok at {self.decode_tps:.1f} tok/s | stop: {self.stop}")
 
 
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file as numpy arrays (the format is a JSON header and raw little-endian data)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, spec in header.items():
+        begin, end = spec["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[spec["dtype"]]
+        out[name] = np.frombuffer(raw[8 + n + begin:8 + n + end], dtype=dtype).reshape(spec["shape"]).copy()
+    return out
+
+
+def load_scales(model_dir: Path, inputs: list[dict]) -> dict[str, np.ndarray]:
+    """The scale inputs' values from scales.safetensors, checked against the graph before any call."""
+    wanted = [io for io in inputs if io["role"] == "scale"]
+    if not wanted:
+        return {}
+    path = model_dir / "scales.safetensors"
+    if not path.is_file():
+        raise RuntimeInputError(f"{path}: missing; the graphs take {len(wanted)} scale inputs from it")
+    values = read_safetensors(path)
+    out = {}
+    for io in wanted:
+        v = values.get(io["name"])
+        if v is None:
+            raise RuntimeInputError(f"{path} has no {io['name']!r}, a scale input the graph needs")
+        if list(v.shape) != list(io["shape"]) or v.dtype != np.dtype(io["dtype"]):
+            raise RuntimeInputError(f"{path}: {io['name']!r} is {v.dtype}{list(v.shape)}, the graph takes "
+                                    f"{io['dtype']}{list(io['shape'])}")
+        out[io["name"]] = v
+    return out
+
+
 class _Graph:
     """One ONNX Runtime session with every input and output bound to a persistent numpy buffer."""
 
@@ -142,6 +180,8 @@ class Engine:
         first = next(iter(specs.values()))
         self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
                        if io["role"] in ("past_key", "past_value")}
+        # Scale inputs (`scales: inputs`): loaded once, bound to every call of every graph.
+        self.caches.update(load_scales(self.dir, first["inputs"]))
         self.cache_of = {(io["role"].replace("past_", ""), io["layer"]): io["name"] for io in first["inputs"]
                          if io["role"] in ("past_key", "past_value")}
         prov = list(providers) or ["CPUExecutionProvider"]
