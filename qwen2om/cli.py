@@ -250,11 +250,11 @@ def calibrate(
 
     if scheme != "w4a16":
         raise CalibrationError(f"--scheme {scheme!r}: only w4a16 is implemented")
-    if batch_size != 1:
-        raise CalibrationError("--batch-size: only 1 is implemented (samples go through each layer one by one)")
+    if batch_size < 1:
+        raise CalibrationError(f"--batch-size must be at least 1 (got {batch_size})")
     cfg = CalibrationConfig(method=method, group_size=group_size, symmetric=sym, dataset=dataset,
                             num_samples=num_samples, seq_len=seq_len, quantize_lm_head=quantize_lm_head,
-                            ignore=tuple(ignore or ()), fmt=fmt)
+                            ignore=tuple(ignore or ()), fmt=fmt, batch_size=batch_size)
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
     r = result.report

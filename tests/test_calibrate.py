@@ -314,3 +314,13 @@ def test_scales_as_graph_inputs(calibrated, tmp_path, dtype: str) -> None:
     save_file(values, str(out / "scales.safetensors"))
     with pytest.raises(RuntimeInputError, match="model.layers.2.self_attn.o_proj.weight.scale"):
         Engine(out)
+
+
+def test_batch_size_changes_speed_not_the_result(calibrated, tmp_path) -> None:
+    """Samples stacked four at a time through each layer give the same quantised weights."""
+    out = tmp_path / "b4"
+    calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="gptq", batch_size=4, **SMALL))
+    a, b = Checkpoint(calibrated["gptq"]), Checkpoint(out)
+    for n, q in a.quantized.items():
+        assert torch.equal(a.raw(q.tensor("packed")), b.raw(q.tensor("packed"))), n
+        assert torch.equal(a.raw(q.tensor("scale")), b.raw(q.tensor("scale"))), n

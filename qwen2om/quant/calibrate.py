@@ -18,7 +18,7 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ class CalibrationConfig:
     dataset: str = "builtin:chat+prose+code"
     num_samples: int = 500
     seq_len: int | None = None  # default: 2048 or the model's limit
-    batch_size: int = 1
+    batch_size: int = 1  # samples per forward: faster per layer, more activation memory at once
     quantize_lm_head: bool = False
     ignore: tuple[str, ...] = ()
     damp: float = 0.01
@@ -248,11 +248,24 @@ class Calibrator:
             linears[n].weight.data = w_hat.T.contiguous().to(linears[n].weight.dtype)
         out = ActivationStore(self.cfg.activation_budget)
         with torch.no_grad():
-            for i in store:
-                out.put(i, runner.forward(layer, torch.from_numpy(np.array(store.get(i)))).numpy())
-                store.drop(i)
+            for ids, x in self.batches(store):
+                y = runner.forward(layer, x).numpy()
+                for j, i in enumerate(ids):
+                    out.put(i, y[j:j + 1])
+                    store.drop(i)
         store.close()
         return out, changed
+
+    def batches(self, store: ActivationStore) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """`batch_size` samples at a time, stacked (windows have one length; unequal ones go alone)."""
+        group: list[int] = []
+        for i in store:
+            if group and (len(group) == self.cfg.batch_size or store.get(i).shape != store.get(group[0]).shape):
+                yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
+                group = []
+            group.append(i)
+        if group:
+            yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
 
     def collect(self, runner: LayerRunner, layer: torch.nn.Module, index: int, store: ActivationStore,
                 linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -274,11 +287,12 @@ class Calibrator:
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
         try:
             with torch.no_grad():
-                for i in store:
-                    y = runner.forward(layer, torch.from_numpy(np.array(store.get(i))))
+                for ids, x in self.batches(store):
+                    y = runner.forward(layer, x)
                     if not torch.isfinite(y).all():
-                        raise CalibrationError(f"layer {index}: its output on calibration sample {i} is not finite "
-                                               "(NaN/Inf); nothing was written")
+                        bad = next(i for j, i in enumerate(ids) if not torch.isfinite(y[j]).all())
+                        raise CalibrationError(f"layer {index}: its output on calibration sample {bad} is not "
+                                               "finite (NaN/Inf); nothing was written")
         finally:
             for h in handles:
                 h.remove()
