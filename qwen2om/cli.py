@@ -227,34 +227,41 @@ def calibrate(
     model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
     out: Annotated[Path, typer.Option("--out", "-o", help="quantised checkpoint directory to write")],
     scheme: Annotated[str, typer.Option(help="quantisation scheme: w4a16")] = "w4a16",
-    method: Annotated[str, typer.Option(help="gptq (Hessian-based, static act-order), awq (activation-aware "
-                                        "scaling + clipping search) or rtn (data-free)")] = "gptq",
-    group_size: Annotated[int, typer.Option(help="input columns sharing one scale")] = 128,
-    sym: Annotated[bool, typer.Option("--sym/--asym", help="symmetric (no zero point) or asymmetric")] = True,
-    dataset: Annotated[str, typer.Option(help="JSONL ({text} or {messages}), a text file, or builtin:NAME[+NAME] "
-                                         "(prose, code, chinese, chat)")] = "builtin:chat+prose+code",
-    num_samples: Annotated[int, typer.Option(help="calibration samples")] = 500,
+    method: Annotated[str | None, typer.Option(help="gptq (default; Hessian-based, static act-order), awq "
+                                               "(activation-aware scaling + clipping search) or rtn (data-free)"
+                                               )] = None,
+    group_size: Annotated[int | None, typer.Option(help="input columns sharing one scale (default 128)")] = None,
+    sym: Annotated[bool | None, typer.Option("--sym/--asym", help="symmetric (default; no zero point) or "
+                                             "asymmetric")] = None,
+    dataset: Annotated[str | None, typer.Option(help="JSONL ({text} or {messages}), a text file, or "
+                                                "builtin:NAME[+NAME] (prose, code, chinese, chat); default "
+                                                "builtin:chat+prose+code")] = None,
+    num_samples: Annotated[int | None, typer.Option(help="calibration samples (default 500)")] = None,
     seq_len: Annotated[int | None, typer.Option(help="tokens per sample (default 2048 or the model's limit)")] = None,
-    batch_size: Annotated[int, typer.Option(help="samples per forward (1: layer-by-layer memory is smallest)")] = 1,
-    quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="also quantise lm_head")] = False,
-    ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable)")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="compressed-tensors (transformers, vLLM, convert) or "
-                                     "ascendv1 (msModelSlim's W4A16: MindIE, vLLM-Ascend, convert)")] = CT,
+    batch_size: Annotated[int | None, typer.Option(help="samples per forward (default 1: least memory)")] = None,
+    quantize_lm_head: Annotated[bool | None, typer.Option("--quantize-lm-head", help="also quantise lm_head")] = None,
+    ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable; adds to "
+                                                     "the recipe's)")] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="compressed-tensors (default; transformers, vLLM, "
+                                            "convert) or ascendv1 (msModelSlim's W4A16: MindIE, vLLM-Ascend, "
+                                            "convert)")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="YAML file with any of these settings (method, group_size, "
+                                                "symmetric, dataset, num_samples, seq_len, batch_size, ignore, "
+                                                "quantize_lm_head, format, damp, actorder); flags override it")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
     """Quantise MODEL's linear weights to int4 (W4A16), layer by layer; norms, embeddings, RoPE and
     router gates always stay float. Writes a compressed-tensors checkpoint that `convert`,
-    transformers and vLLM read, with calibration_report.json."""
-    from qwen2om.quant.calibrate import CalibrationConfig, CalibrationError
+    transformers and vLLM read (or msModelSlim's layout), with calibration_report.json."""
+    from qwen2om.quant.calibrate import CalibrationError, calibration_config
     from qwen2om.quant.calibrate import calibrate as run_calibrate
 
     if scheme != "w4a16":
         raise CalibrationError(f"--scheme {scheme!r}: only w4a16 is implemented")
-    if batch_size < 1:
-        raise CalibrationError(f"--batch-size must be at least 1 (got {batch_size})")
-    cfg = CalibrationConfig(method=method, group_size=group_size, symmetric=sym, dataset=dataset,
-                            num_samples=num_samples, seq_len=seq_len, quantize_lm_head=quantize_lm_head,
-                            ignore=tuple(ignore or ()), fmt=fmt, batch_size=batch_size)
+    flags = {"method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
+             "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
+             "quantize_lm_head": quantize_lm_head, "fmt": fmt}
+    cfg = calibration_config(recipe, {k: v for k, v in flags.items() if v is not None}, tuple(ignore or ()))
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
     r = result.report

@@ -324,3 +324,20 @@ def test_batch_size_changes_speed_not_the_result(calibrated, tmp_path) -> None:
     for n, q in a.quantized.items():
         assert torch.equal(a.raw(q.tensor("packed")), b.raw(q.tensor("packed"))), n
         assert torch.equal(a.raw(q.tensor("scale")), b.raw(q.tensor("scale"))), n
+
+
+def test_recipe_extends_the_ignore_list_and_flags_override_it(tmp_path, cli) -> None:
+    recipe = tmp_path / "cal.yaml"
+    recipe.write_text("method: gptq\ngroup_size: 32\nnum_samples: 4\nseq_len: 32\nignore: ['mlp\\.down_proj']\n")
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--recipe", recipe, "--method", "rtn",
+                       "--ignore", r"layers\.0\.self_attn\.q_proj")
+    assert code == 0, err
+    ckpt = Checkpoint(tmp_path / "o")
+    assert json.loads((tmp_path / "o" / "calibration_report.json").read_text())["method"] == "rtn"
+    assert not any("down_proj" in n for n in ckpt.quantized) and len(ckpt.quantized) == 4 * 6 - 1
+    assert ckpt.info("model.layers.1.mlp.down_proj.weight").dtype == torch.bfloat16
+    ignore = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.0.self_attn.q_proj" in ignore and "model.layers.3.mlp.down_proj" in ignore
+    recipe.write_text("methd: gptq\n")
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "p", "--recipe", recipe)
+    assert code == 2 and "unknown setting(s) methd" in err

@@ -80,6 +80,37 @@ class LinearReport:
     note: str = ""
 
 
+def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple[str, ...] = ()) -> CalibrationConfig:
+    """Defaults, then a recipe file's settings, then the command line's; `ignore` lists add up."""
+    import yaml
+
+    fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
+    settings: dict[str, Any] = {}
+    if recipe is not None:
+        try:
+            data = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as e:
+            raise CalibrationError(f"{recipe}: cannot read the calibration recipe ({e})") from None
+        if not isinstance(data, dict):
+            raise CalibrationError(f"{recipe}: a calibration recipe is a mapping of settings")
+        data = {("fmt" if k == "format" else k): v for k, v in data.items()}
+        if unknown := sorted(set(data) - fields):
+            raise CalibrationError(f"{recipe}: unknown setting(s) {', '.join(unknown)} "
+                                   f"(known: {', '.join(sorted(f if f != 'fmt' else 'format' for f in fields))})")
+        settings.update(data)
+    settings.update(flags)
+    settings["ignore"] = (*tuple(settings.get("ignore") or ()), *ignore)
+    try:
+        cfg = CalibrationConfig(**settings)
+    except TypeError as e:
+        raise CalibrationError(f"calibration settings: {e}") from None
+    for name, kind in (("group_size", int), ("num_samples", int), ("batch_size", int)):
+        value = getattr(cfg, name)
+        if not isinstance(value, kind) or isinstance(value, bool) or value < 1:
+            raise CalibrationError(f"{name} must be a positive integer (got {value!r})")
+    return cfg
+
+
 def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, Any]:
     import importlib.metadata
 
