@@ -159,6 +159,7 @@ def test_calibrate_cli_bad_inputs(tmp_path, cli, calibrated) -> None:
     code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "a", "--num-samples", "2",
                        "--seq-len", "32")
     assert code == 2 and "input width 160 is not a multiple of --group-size 128" in err and "down_proj" in err
+    assert "group sizes that fit every layer: 16, 32" in err
     assert not (tmp_path / "a").exists()
     code, _, err = cli("calibrate", calibrated["rtn"], "-o", tmp_path / "b")
     assert code == 2 and "already quantised" in err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -169,11 +170,15 @@ class Calibrator:
         return sorted(out) + ([] if self.cfg.quantize_lm_head else ["lm_head"])
 
     def check_groups(self, names: list[str]) -> None:
-        for n in names:
-            k = self.ckpt.dims.hidden if n == LM_HEAD else self.ckpt.shape(n)[1]
+        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else self.ckpt.shape(n)[1] for n in names}
+        for n, k in widths.items():
             if k % self.spec.group:
-                raise CalibrationError(f"{n}: input width {k} is not a multiple of --group-size {self.spec.group}; "
-                                       "choose a group size that divides every quantised layer's input width")
+                common = math.gcd(*widths.values())
+                fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+                hint = f"group sizes that fit every layer: {', '.join(map(str, fits))}" if fits else \
+                    "no power-of-two group ≥ 16 fits every layer; --ignore the odd ones"
+                raise CalibrationError(f"{n}: input width {k} is not a multiple of --group-size {self.spec.group} "
+                                       f"({hint})")
 
     def source(self, name: str) -> str:
         return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
