@@ -19,8 +19,9 @@ def cache_root() -> Path:
 
 def builtin_names() -> list[str]:
     from qwen2om.fixtures.tiny import TINY
+    from qwen2om.fixtures.trained import NAME as TRAINED
 
-    return list(TINY)
+    return [*TINY, TRAINED]
 
 
 def resolve_model(model: str | Path) -> Path:
@@ -29,10 +30,14 @@ def resolve_model(model: str | Path) -> Path:
     if not text.startswith(PREFIX):
         return Path(text)
     name = text[len(PREFIX):]
+    from qwen2om.fixtures import trained
     from qwen2om.fixtures.tiny import TINY, write_tiny_checkpoint
 
+    if name == trained.NAME:  # committed weights, copied (training takes minutes)
+        dest = cache_root() / "builtin" / f"{name}-{trained.committed_record()['files']['model.safetensors'][:12]}"
+        return dest if (dest / "config.json").is_file() else trained.copy_trained_checkpoint(dest)
     if name not in TINY:
-        raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(TINY)})")
+        raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(builtin_names())})")
     dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
     if not (dest / "config.json").is_file():
         try:
