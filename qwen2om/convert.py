@@ -154,5 +154,8 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
             "dtype": {"fp32": "float32", "fp16": "float16"}[r.dtype], "layers": dims.layers,
             "eos_token_ids": eos_ids, "pad_token_id": int(pad if pad is not None else (eos_ids or [0])[0]),
             "chat_format": "chatml",
+            # ONNX Runtime's int4 kernel is fast only on weights it prepacked at load; float MatMuls
+            # are better read straight from the mapped data file (one copy for both sessions).
+            "prepack_weights": any(s.name == "lower_int4" and s.stats.get("lowered") for s in steps),
         },
     }

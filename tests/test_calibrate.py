@@ -136,6 +136,7 @@ def test_int4_graph_matches_its_dequantised_weights(calibrated, tmp_path, method
     result = convert(calibrated[method], out, overrides=["max_seq_len=128", "prefill_chunk=16"])
     lowered = next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")
     assert lowered["stats"]["lowered"] == 2 * 28  # both graphs
+    assert result.manifest["runtime"]["prepack_weights"]  # MatMulNBits is fast only prepacked
     summary = (out / "graphs" / "summary.txt").read_text()
     assert "op     MatMulNBits 28" in summary
     report = verify(out, str(calibrated[method]), tokens=8, prompts=["The quick brown fox"])

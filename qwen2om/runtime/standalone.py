@@ -173,7 +173,8 @@ class Engine:
         options = ort.SessionOptions()
         # Without prepacking, ONNX Runtime reads MatMul weights from the memory-mapped data file:
         # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        if not rt.get("prepack_weights"):  # int4 models need prepacking: MatMulNBits is slow without it
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if threads:
             options.intra_op_num_threads = threads
         specs = self.manifest["graphs"]
