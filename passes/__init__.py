@@ -2,10 +2,12 @@
 
 from qwen2om.passes import (  # noqa: F401  (imported for registration)
     check_outputs,
+    check_scales,
     check_weights,
     export_onnx,
     legalize_ort,
     load_checkpoint,
+    lower_fp8,
     lower_int4,
     package,
     scale_inputs,

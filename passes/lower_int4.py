@@ -46,7 +46,7 @@ class LowerInt4:
         ckpt = ws.need("checkpoint")
         weights, bindings = ws.need("weights")
         ws["int4_lowered"] = True
-        if not ckpt.quantized:
+        if not any(q.kind == "int4" for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         dtype = weights.dtype
         onnx_dtype = ir.DataType.FLOAT if dtype == torch.float32 else ir.DataType.FLOAT16
@@ -58,9 +58,9 @@ class LowerInt4:
                     continue
                 w = node.inputs[1]
                 ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
-                if ref is None or ref.source not in ckpt.quantized or not ref.transpose:
+                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
+                if not isinstance(q, Int4Weight):  # float, or FP8 (lower_fp8's)
                     continue
-                q: Int4Weight = ckpt.quantized[ref.source]
                 if q.k % q.group or q.group < 16 or q.group & (q.group - 1):
                     raise Qwen2omError(f"{q.base}: MatMulNBits needs a power-of-two group ≥ 16 dividing K={q.k}; "
                                        f"this checkpoint has group {q.group}")
@@ -83,10 +83,10 @@ class LowerInt4:
                 out, new_out = node.outputs[0], new.outputs[0]
                 new_out.shape, new_out.type = out.shape, out.type
                 graph.insert_before(node, new)
-                out.replace_all_uses_with(new_out)
-                if out.is_graph_output():
-                    idx = list(graph.outputs).index(out)
+                if out.is_graph_output():  # an fp32 LM head's output is `logits` itself; first, or
+                    idx = list(graph.outputs).index(out)  # replace_all_uses_with refuses
                     graph.outputs[idx] = new_out
+                out.replace_all_uses_with(new_out)
                 name = out.name
                 graph.remove(node, safe=True)
                 new_out.name = name

@@ -1,16 +1,17 @@
 """`scales: inputs`: quantisation scales leave the graph and become graph inputs.
 
 Field engineers deploying on Ascend feed each layer's scales as separate inputs rather than baking
-them into the compiled model. With `--scales inputs` every int4 MatMulNBits' scales become a
-float32 graph input named `<weight>.scale` with the checkpoint's shape [N, K/group] (reshaped, and
-cast for fp16 graphs, inside the graph), and the output directory gets:
+them into the compiled model. With `--scales inputs` every quantised weight's scale becomes a
+float32 graph input named `<weight>.scale` in the checkpoint's own shape — int4: [N, K/group]
+(reshaped, and cast for fp16 graphs, inside the graph); FP8: the block grid [⌈N/bn⌉, ⌈K/bk⌉] —
+and the output directory gets:
 
 - `scales.safetensors`: the values, float32, one tensor per input;
-- `scale_map.json`: input name → source tensor, layer, module, shape, dtype, group size.
+- `scale_map.json`: input name → source tensor, layer, module, shape, dtype, block size.
 
-The runtime loads scales.safetensors once into buffers bound for every call. On ONNX Runtime this
-is slower than constants (its int4 kernel cannot prepack what it does not see at load time); it is
-the form other compilers take, and the default stays `constants`.
+The runtime loads scales.safetensors once into buffers bound for every call. `scales: auto` (the
+default) means inputs for FP8 checkpoints, as deployments do, and constants for int4 ones: ONNX
+Runtime's int4 kernel cannot prepack what it does not see at load time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import onnx_ir as ir
 import torch
 from safetensors.torch import save_file
 
+from qwen2om.passes.lower_fp8 import SCALE_SUFFIX as FP8_SCALE
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.quantized import QuantWeight
 from qwen2om.signature import ROLE_SCALE, IOSpec
 
 SCALE_MAP = "scale_map.json"
@@ -43,8 +46,9 @@ class ScaleInputs:
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt = ws.need("checkpoint")
         ws["scale_map"] = {}
-        if ctx.recipe.scales != "inputs" or not ckpt.quantized:
-            return PassResult(False, {"scale_inputs": 0})
+        mode = scale_mode(ctx.recipe.scales, ckpt.quantized)
+        if mode != "inputs":
+            return PassResult(False, {"scales": mode, "scale_inputs": 0})
         weights, bindings = ws.need("weights")
         entries: dict[str, dict[str, Any]] = {}
         values: dict[str, torch.Tensor] = {}
@@ -52,49 +56,78 @@ class ScaleInputs:
             graph = model.graph
             inputs, outputs = ws["signatures"][kind]
             added: list[IOSpec] = []
-            for node in list(graph):
-                if node.op_type != "MatMulNBits":
+            for init in list(graph.initializers.values()):
+                base = next((init.name.removesuffix(sfx) for sfx in (NBITS_SCALE, FP8_SCALE)
+                             if init.name.endswith(sfx)), None)
+                if base is None or not init.uses():
                     continue
-                init = node.inputs[2]
-                if init is None or not init.is_initializer() or not (init.name or "").endswith(NBITS_SCALE):
-                    continue
-                base = init.name.removesuffix(NBITS_SCALE)
                 q = ckpt.quantized[f"{base}.weight"]
                 name = f"{base}.weight.scale"
-                shape = [q.n, q.k // q.group]
-                m = re.search(r"\blayers\.(\d+)\.", base)
-                layer = int(m.group(1)) if m else None
-                value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+                value = ir.Value(name=name, shape=ir.Shape(list(q.scale_shape)), type=ir.TensorType(ir.DataType.FLOAT))
                 graph.inputs.append(value)
-                flat = ir.Value(name=f"{name}/flat", shape=ir.Shape([q.n * shape[1]]), type=init.type)
-                shape_init = ir.Value(name=f"{name}/shape", shape=ir.Shape([1]),
-                                      type=ir.TensorType(ir.DataType.INT64),
-                                      const_value=ir.tensor(np.array([q.n * shape[1]], dtype=np.int64)))
-                graph.register_initializer(shape_init)
-                reshape = ir.Node("", "Reshape", [value, shape_init], num_outputs=1, name=f"/{base}/scale/Reshape")
-                new_nodes = [reshape]
-                src = reshape.outputs[0]
-                if init.dtype != ir.DataType.FLOAT:
-                    cast = ir.Node("", "Cast", [src], [ir.AttrInt64("to", init.dtype.value)], num_outputs=1,
-                                   name=f"/{base}/scale/Cast")
-                    new_nodes.append(cast)
-                    src = cast.outputs[0]
-                src.name, src.shape, src.type = flat.name, flat.shape, flat.type
-                graph.insert_before(node, new_nodes)
-                node.replace_input_with(2, src)
-                if not init.uses():
-                    graph.initializers.pop(init.name)
-                    weights.derived.pop(init.name, None)
-                    bindings.pop(init.name, None)
-                added.append(IOSpec(name, "float32", tuple(shape), ROLE_SCALE, layer))
+                init.replace_all_uses_with(self.adapt(graph, value, init, base))
+                graph.initializers.pop(init.name)
+                weights.derived.pop(init.name, None)
+                bindings.pop(init.name, None)
+                layer = layer_of(base)
+                added.append(IOSpec(name, "float32", tuple(q.scale_shape), ROLE_SCALE, layer))
                 if name not in entries:
-                    entries[name] = {"source": q.tensor("scale") if q.fmt != "ascendv1" else f"{base}.weight_scale",
-                                     "layer": layer, "module": base, "weight": q.name, "shape": shape,
-                                     "dtype": "float32", "group_size": q.group, "format": q.fmt}
-                    values[name] = q.unpacked(ckpt)[1].float().contiguous()
+                    entries[name] = entry(q, layer)
+                    values[name] = scale_values(q, ckpt)
             ws["signatures"][kind] = (inputs + added, outputs)
         stage = ctx.stage_dir
         save_file(dict(sorted(values.items())), str(stage / SCALES_FILE), metadata={"format": "pt"})
         (stage / SCALE_MAP).write_text(json.dumps(dict(sorted(entries.items())), indent=2) + "\n")
         ws["scale_map"] = entries
-        return PassResult(True, {"scale_inputs": len(entries)})
+        return PassResult(True, {"scales": mode, "scale_inputs": len(entries)})
+
+    @staticmethod
+    def adapt(graph: ir.Graph, value: ir.Value, init: ir.Value, base: str) -> ir.Value:
+        """`value` (float32, the checkpoint's shape) in the shape and dtype `init` had."""
+        nodes, src = [], value
+        if list(init.shape) != list(value.shape):
+            shape_init = ir.Value(name=f"{value.name}/shape", shape=ir.Shape([len(init.shape)]),
+                                  type=ir.TensorType(ir.DataType.INT64),
+                                  const_value=ir.tensor(np.array(list(init.shape), dtype=np.int64)))
+            graph.register_initializer(shape_init)
+            nodes.append(ir.Node("", "Reshape", [src, shape_init], num_outputs=1, name=f"/{base}/scale/Reshape"))
+            src = nodes[-1].outputs[0]
+        if init.dtype != ir.DataType.FLOAT:
+            nodes.append(ir.Node("", "Cast", [src], [ir.AttrInt64("to", init.dtype.value)], num_outputs=1,
+                                 name=f"/{base}/scale/Cast"))
+            src = nodes[-1].outputs[0]
+        if nodes:
+            src.name, src.shape, src.type = f"{value.name}/graph", init.shape, init.type
+            graph.insert_before(graph.node(0), nodes)
+        return src
+
+
+def scale_mode(setting: str, quantized: dict[str, QuantWeight]) -> str:
+    """`auto` → inputs for FP8 checkpoints, constants otherwise; float models have no scales."""
+    if not quantized:
+        return "none"
+    if setting == "auto":
+        return "inputs" if any(q.kind == "fp8" for q in quantized.values()) else "constants"
+    return setting
+
+
+def layer_of(base: str) -> int | None:
+    m = re.search(r"\blayers\.(\d+)\.", base)
+    return int(m.group(1)) if m else None
+
+
+def entry(q: QuantWeight, layer: int | None) -> dict[str, Any]:
+    """scale_map.json's record of one scale input."""
+    e: dict[str, Any] = {"source": q.scale_name, "layer": layer, "module": q.base, "weight": q.name,
+                         "shape": list(q.scale_shape), "dtype": "float32", "scheme": q.kind, "format": q.fmt}
+    if q.kind == "fp8":
+        e["block_size"] = list(q.block)
+    else:
+        e["group_size"] = q.block[1]
+    return e
+
+
+def scale_values(q: QuantWeight, ckpt: Any) -> torch.Tensor:
+    if q.kind == "fp8":
+        return q.scale(ckpt).contiguous()
+    return q.unpacked(ckpt)[1].float().contiguous()

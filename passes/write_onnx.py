@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, ClassVar
 
+import ml_dtypes
 import onnx
 import onnx_ir as ir
 
@@ -86,7 +87,10 @@ def plan(graphs: dict[str, ir.Model], weights: Weights, bindings: dict[str, Weig
             if tensor is None and init.name not in weights.constants:  # a checkpoint weight
                 nbytes = int(init.dtype.itemsize * math.prod(init.shape.numpy()))
                 if nbytes < inline_limit:
-                    init.const_value = ir.tensor(weights.value(bindings, init.name).numpy(), name=init.name)
+                    value = weights.value(bindings, init.name).numpy()
+                    if init.dtype == ir.DataType.FLOAT8E4M3FN:  # produced as its bytes (numpy has no fp8)
+                        value = value.view(ml_dtypes.float8_e4m3fn)
+                    init.const_value = ir.tensor(value, name=init.name)
                     continue
                 where[(kind, init.name)] = layout.add(init.name, nbytes, ref=bindings[init.name]).key
                 continue

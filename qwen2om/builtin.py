@@ -17,11 +17,17 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "qwen2om"
 
 
+# FP8 builtins: a float builtin quantised by the fixture generator (Hugging Face fine-grained
+# format, 128×128 tiles, bf16 scales as in Qwen3-*-FP8). tiny-qwen3's 64/160-wide weights make
+# every tile ragged; the trained model's are all multiples of 128 (what transformers loads right).
+FP8_BUILTINS = {"tiny-qwen3-fp8": "tiny-qwen3", "tiny-qwen3-trained-fp8": "tiny-qwen3-trained"}
+
+
 def builtin_names() -> list[str]:
     from qwen2om.fixtures.tiny import TINY
     from qwen2om.fixtures.trained import NAME as TRAINED
 
-    return [*TINY, TRAINED]
+    return [*TINY, TRAINED, *FP8_BUILTINS]
 
 
 def resolve_model(model: str | Path) -> Path:
@@ -33,6 +39,12 @@ def resolve_model(model: str | Path) -> Path:
     from qwen2om.fixtures import trained
     from qwen2om.fixtures.tiny import TINY, write_tiny_checkpoint
 
+    if name in FP8_BUILTINS:
+        from qwen2om.fixtures.fp8 import write_fp8_checkpoint
+
+        base = resolve_model(PREFIX + FP8_BUILTINS[name])
+        dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}-{base.name}"
+        return dest if (dest / "config.json").is_file() else write_fp8_checkpoint(base, dest)
     if name == trained.NAME:  # committed weights, copied (training takes minutes)
         dest = cache_root() / "builtin" / f"{name}-{trained.committed_record()['files']['model.safetensors'][:12]}"
         return dest if (dest / "config.json").is_file() else trained.copy_trained_checkpoint(dest)

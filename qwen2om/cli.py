@@ -95,8 +95,10 @@ def convert(
     prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="static batch size (default 1)")] = None,
     target: Annotated[str | None, typer.Option(help="compile target: ort")] = None,
-    scales: Annotated[str | None, typer.Option(help="quantised checkpoints: scales as graph constants (default) or "
-                                               "as graph inputs with scale_map.json + scales.safetensors")] = None,
+    scales: Annotated[str | None, typer.Option(help="quantised checkpoints: inputs (each weight's scale a graph "
+                                               "input `<weight>.scale`, with scale_map.json + scales.safetensors), "
+                                               "constants, or auto (default: inputs for FP8, constants for int4)"
+                                               )] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists (and discard an interrupted "
                                         "run's work)")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion into OUT: finished "

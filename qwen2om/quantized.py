@@ -1,4 +1,4 @@
-"""Quantised checkpoints as `convert` reads them: W4A16 in two formats.
+"""Quantised checkpoints as `convert` reads them: W4A16 in two formats, FP8 in two.
 
 - compressed-tensors `pack-quantized` (written by `qwen2om calibrate` and by llm-compressor,
   `scheme="W4A16"` / `"W4A16_ASYM"`), announced by `quantization_config` in config.json. Each
@@ -10,6 +10,16 @@
   [N, K/g], `w = (weight − offset) · scale` (offset all zero when symmetric).
 
 Either way `w = (q − zp) · scale` per group, and a quantised `X.weight` reads as that, in float32.
+
+FP8 (e4m3fn weights, float activations: what Qwen publishes as Qwen3-*-FP8):
+- Hugging Face fine-grained FP8 (`quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [128, 128]`):
+  `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` [ceil(N/128), ceil(K/128)] in any float
+  dtype; modules without a scale (`modules_to_not_convert`: lm_head, norms, router) stay float.
+- compressed-tensors `float-quantized` FP8_BLOCK (`strategy: block`, `block_structure`) and
+  FP8_DYNAMIC (`strategy: channel`, a [N, 1] scale): the same with `X.weight_scale`. Their dynamic
+  activation quantisation is not reproduced: activations stay in the compute dtype.
+
+Either way `w = q · scale` per tile (see qwen2om.quant.fp8), read as that in float32.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any
 import torch
 
 from qwen2om.errors import CheckpointError
+from qwen2om.quant import fp8
 from qwen2om.quant.int4 import dequantize, pack_int4, unpack_int4
 from qwen2om.safetensors_io import Shard
 
@@ -35,10 +46,23 @@ class Int4Weight:
     group: int
     symmetric: bool
     fmt: str = "compressed-tensors"  # or "ascendv1"
+    kind = "int4"
 
     @property
     def base(self) -> str:
         return self.name.removesuffix(".weight")
+
+    @property
+    def scale_name(self) -> str:
+        return self.tensor("scale")
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return self.n, self.k // self.group
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return 1, self.group
 
     def tensor(self, part: str) -> str:
         return f"{self.base}.weight_{part}"
@@ -97,15 +121,113 @@ class Int4Weight:
         pairs = z.reshape(self.n, -1, 2)
         return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).reshape(-1)
 
-    def dequantize(self, ckpt: Any) -> torch.Tensor:
+    def dequantize(self, ckpt: Any, rows: tuple[int, int] | None = None) -> torch.Tensor:
         q, scale, zp = self.unpacked(ckpt)
-        return dequantize(q, scale, zp, self.group)
+        w = dequantize(q, scale, zp, self.group)
+        return w if rows is None else w[rows[0]:rows[1]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """An e4m3fn weight `X.weight` [n, k] with a scale grid `scale_name` in tiles of `block`."""
+
+    name: str
+    n: int
+    k: int
+    block: tuple[int, int]
+    scale_name: str
+    fmt: str = "fp8"  # Hugging Face fine-grained; or "compressed-tensors"
+    kind = "fp8"
+
+    @property
+    def base(self) -> str:
+        return self.name.removesuffix(".weight")
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return fp8.grid(self.n, self.k, self.block)
+
+    def validate(self, ckpt: Any) -> None:
+        dtype = ckpt.info(self.name).dtype
+        if dtype != fp8.FP8:
+            raise CheckpointError(f"{ckpt.root}: {self.name!r} is {dtype}, but its scale {self.scale_name!r} "
+                                  "marks it FP8: only float8_e4m3fn (F8_E4M3) weights are supported")
+        scale = ckpt.info(self.scale_name)
+        if not scale.dtype.is_floating_point or scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"{ckpt.root}: {self.scale_name!r} is {scale.dtype}, not a float: an integer "
+                                  "scale truncates every value (use float32, bfloat16 or float16)")
+        if math.prod(scale.shape) != math.prod(self.scale_shape) or len(scale.shape) > 2 or (
+                len(scale.shape) == 2 and tuple(scale.shape) != self.scale_shape):
+            raise CheckpointError(f"{ckpt.root}: {self.scale_name!r} has shape {list(scale.shape)}, but "
+                                  f"{self.name!r} [{self.n}, {self.k}] in {self.block[0]}×{self.block[1]} tiles "
+                                  f"needs {list(self.scale_shape)}")
+
+    def scale(self, ckpt: Any) -> torch.Tensor:
+        """The scale grid in float32, shaped [ceil(n/bn), ceil(k/bk)]."""
+        return ckpt.raw(self.scale_name).float().reshape(self.scale_shape)
+
+    def dequantize(self, ckpt: Any, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        r0, r1 = rows if rows is not None else (0, self.n)
+        bn = self.block[0]
+        q = ckpt.raw(self.name, (r0, r1))
+        s = self.scale(ckpt)[r0 // bn:math.ceil(r1 / bn)]
+        # Rows [r0, r1) start inside tile r0 // bn: expand from that tile's first row, then cut.
+        full = fp8.expand(s, s.shape[0] * bn, self.k, self.block)[r0 - (r0 // bn) * bn:][:r1 - r0]
+        return q.float() * full
+
+
+QuantWeight = Int4Weight | Fp8Weight
+
+
+def block_size(value: Any, where: str) -> tuple[int, int]:
+    """A 2-D tile size [rows, columns] of positive integers, or a CheckpointError naming `where`."""
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise CheckpointError(f"{where}: weight block size {value!r} must be two positive integers "
+                              "[rows, columns], e.g. [128, 128]")
+    return int(value[0]), int(value[1])
+
+
+def read_fp8(where: dict[str, Any], source: str, block: tuple[int, int] | None, scale_suffix: str,
+             fmt: str) -> dict[str, QuantWeight]:
+    """Every `X.weight` with a sibling `X<scale_suffix>` is FP8; an e4m3 weight without one is an error.
+    `block` None means per channel: (1, K)."""
+    shards: dict[Any, Shard] = {}
+    out: dict[str, QuantWeight] = {}
+    for name in sorted(where):
+        if not name.endswith(".weight"):
+            continue
+        shard = shards.setdefault(where[name], Shard(where[name]))
+        info = shard.tensors[name]
+        scale = name.removesuffix(".weight") + scale_suffix
+        if scale not in where:
+            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise CheckpointError(f"{source}: FP8 weight {name!r} has no scale {scale!r}")
+            continue
+        if len(info.shape) != 2:
+            raise CheckpointError(f"{source}: FP8 weight {name!r} has shape {list(info.shape)}; 2-D [N, K] expected")
+        n, k = info.shape
+        out[name] = Fp8Weight(name, n, k, block or (1, k), scale, fmt)
+    for shard in shards.values():
+        shard.close()
+    return out
+
+
+def read_hf_fp8(qc: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
+    cfg = f"{source}/config.json"
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{cfg}: FP8 fmt {qc.get('fmt')!r} is not supported (supported: e4m3)")
+    if "weight_block_size" not in qc or qc["weight_block_size"] is None:
+        raise CheckpointError(f"{cfg}: quantization_config has no weight_block_size; fine-grained FP8 needs "
+                              "[rows, columns] (128, 128 in Qwen's releases)")
+    block = block_size(qc["weight_block_size"], f"{cfg}: weight_block_size")
+    return read_fp8(where, source, block, ".weight_scale_inv", "fp8")
 
 
 DESCRIPTION = "quant_model_description.json"
 
 
-def read_description(root: Path, where: dict[str, Any]) -> dict[str, Int4Weight]:
+def read_description(root: Path, where: dict[str, Any]) -> dict[str, QuantWeight]:
     """msModelSlim W4A16: the description names the quantised tensors; shapes give the group."""
     path = root / DESCRIPTION
     try:
@@ -115,7 +237,7 @@ def read_description(root: Path, where: dict[str, Any]) -> dict[str, Int4Weight]
     kind = desc.get("model_quant_type")
     if kind != "W4A16":
         raise CheckpointError(f"{path}: model_quant_type {kind!r} is not supported (supported: W4A16)")
-    out: dict[str, Int4Weight] = {}
+    out: dict[str, QuantWeight] = {}
     shards: dict[Any, Shard] = {}
     for name, typ in sorted(desc.items()):
         if typ != "W4A16" or not name.endswith(".weight"):
@@ -135,7 +257,22 @@ def read_description(root: Path, where: dict[str, Any]) -> dict[str, Int4Weight]
     return out
 
 
-def read_quantization(cfg: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, Int4Weight]:
+def read_ct_fp8(w: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
+    """compressed-tensors FP8_BLOCK (`strategy: block`) and FP8_DYNAMIC (`strategy: channel`)."""
+    strategy = w.get("strategy")
+    if strategy == "block":
+        block = block_size(w.get("block_structure"), f"{source}/config.json: block_structure")
+    elif strategy == "channel":
+        block = None
+    else:
+        raise CheckpointError(f"{source}/config.json: compressed-tensors FP8 strategy {strategy!r} is not supported "
+                              "(supported: block, channel)")
+    if not w.get("symmetric", True):
+        raise CheckpointError(f"{source}/config.json: asymmetric FP8 weights are not supported")
+    return read_fp8(where, source, block, ".weight_scale", "compressed-tensors")
+
+
+def read_quantization(cfg: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
     """The quantised weights of a checkpoint ({} for a float one); unsupported schemes are refused."""
     if (Path(source) / DESCRIPTION).is_file():
         return read_description(Path(source), where)
@@ -143,15 +280,19 @@ def read_quantization(cfg: dict[str, Any], where: dict[str, Any], source: str) -
     if not qc:
         return {}
     method = qc.get("quant_method")
+    if method == "fp8":
+        return read_hf_fp8(qc, where, source)
     if method != "compressed-tensors":
         raise CheckpointError(f"{source}/config.json: quantization {method!r} is not supported "
-                              "(supported: compressed-tensors pack-quantized W4A16)")
+                              "(supported: compressed-tensors W4A16 / FP8, fp8)")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise CheckpointError(f"{source}/config.json: {len(groups)} quantisation config groups; one is supported")
     group = next(iter(groups.values()))
     w = group.get("weights") or {}
     fmt = group.get("format") or qc.get("format")
+    if (w.get("type"), w.get("num_bits")) == ("float", 8):
+        return read_ct_fp8(w, where, source)
     if (fmt, w.get("num_bits"), w.get("type"), w.get("strategy")) != ("pack-quantized", 4, "int", "group") or (
             group.get("input_activations")):
         raise CheckpointError(f"{source}/config.json: compressed-tensors {fmt} {w.get('type')}{w.get('num_bits')} "
@@ -161,7 +302,7 @@ def read_quantization(cfg: dict[str, Any], where: dict[str, Any], source: str) -
         raise CheckpointError(f"{source}/config.json: actorder 'group' needs a run-time permutation (g_idx); "
                               "re-quantise with actorder 'static' or none")
     shards: dict[Any, Shard] = {}
-    out = {}
+    out: dict[str, QuantWeight] = {}
     for name in sorted(where):
         if not name.endswith(".weight_packed"):
             continue

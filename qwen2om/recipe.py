@@ -20,7 +20,7 @@ AUTO = "auto"
 DTYPES = ("fp32", "fp16")
 TARGETS = ("ort",)
 LOGITS = ("last", "all")
-SCALES = ("constants", "inputs")
+SCALES = ("auto", "constants", "inputs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,8 @@ class Recipe:
     prefill_chunk: int | str = AUTO  # T of the prefill graph; auto = 128 or max_seq_len if smaller
     batch_size: int = 1
     logits: str = "last"  # prefill graph returns logits for the last token only, or all T
-    scales: str = "constants"  # quantisation scales as graph constants, or as graph inputs (scale_map.json)
+    scale_range: str | tuple[float, float] = AUTO  # accepted quantisation scales [lo, hi]; auto: the target's
+    scales: str = "auto"  # quantisation scales as graph inputs (scale_map.json) or constants; auto: inputs for FP8
     opset: int = 18
     ir_version: int = 8
     name: str = ""
@@ -71,6 +72,10 @@ class Recipe:
         if isinstance(self.max_seq_len, int) and isinstance(self.prefill_chunk, int):
             if self.prefill_chunk > self.max_seq_len:
                 raise RecipeError(f"prefill_chunk={self.prefill_chunk} exceeds max_seq_len={self.max_seq_len}")
+        if self.scale_range != AUTO:
+            lo, hi = self.scale_range  # type: ignore[misc]
+            if not 0 < lo < hi:
+                raise RecipeError(f"scale_range={list(self.scale_range)} must be [lo, hi] with 0 < lo < hi")
         if self.opset > 18:
             raise RecipeError(f"opset={self.opset}: the targets take ai.onnx opset 18 at most")
         import qwen2om.passes  # noqa: F401  (registers the passes)
@@ -101,13 +106,26 @@ def _pipeline(value: Any, where: str) -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(steps)
 
 
+def _float_pair(key: str, value: Any, where: str) -> tuple[float, float]:
+    """[lo, hi] from YAML (a list) or --set (`lo,hi`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        if not isinstance(items, list | tuple) or len(items) != 2 or any(isinstance(x, bool) for x in items):
+            raise ValueError
+        return float(items[0]), float(items[1])
+    except (TypeError, ValueError):
+        raise RecipeError(f"{where}: {key}={value!r} must be two numbers [lo, hi] (or lo,hi with --set)") from None
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     if key == "pipeline":
         return _pipeline(value, where)
+    if key == "scale_range":
+        return AUTO if value == AUTO else _float_pair(key, value, where)
     default = FIELDS[key].default
     if value == AUTO and key in ("max_seq_len", "prefill_chunk"):
         return AUTO
-    want = int if isinstance(default, int) or default == AUTO else type(default)
+    want = int if isinstance(default, int) or key in ("max_seq_len", "prefill_chunk") else type(default)
     if want is int:
         # YAML gives ints; --set gives digit strings. Floats and booleans are mistakes, not integers.
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and

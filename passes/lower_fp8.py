@@ -1,0 +1,151 @@
+"""Lower FP8 linears: the weight stays e4m3fn in the graph and is dequantised by its block scale.
+
+Up to here an FP8 linear is an ordinary `MatMul(x, Wᵀ)` whose initializer reads as the exact
+dequantisation (so a recipe without this pass upcasts FP8 to the compute dtype at conversion time:
+4× the bytes in fp32, the fastest form for ONNX Runtime). With this pass each one becomes
+
+    Wq   [K, N]  the checkpoint's e4m3fn bytes, transposed once at write time
+    S    [⌈N/bn⌉, ⌈K/bk⌉] float32, the checkpoint's scale grid as published
+    W    = decode(Wq) · tile(S)          (in float32, then cast to the compute dtype)
+    y    = MatMul(x, W)
+
+`tile(S)` is Transpose → Unsqueeze → Expand → Reshape (→ Slice for a partial last tile): shape
+arithmetic on a grid of a few hundred floats. `decode` depends on `storage`:
+
+- `float8` (default): Wq is a float8e4m3fn initializer and decode is `Cast` (ai.onnx opset 19,
+  IR version 9; ONNX Runtime runs it, the pass raises the models' opset and IR version to that);
+- `bytes`: Wq is uint8 and decode is a `Gather` from the 256-entry e4m3fn table: opset 18 / IR 8,
+  for compilers that cannot read FP8 tensors.
+
+`scale_inputs` can then turn every S into a graph input (`<weight>.scale`), the default for FP8.
+Dequantisation happens on every call: ONNX Runtime's CPU kernels never fuse an FP8 dequantise into
+the MatMul. With scales as constants ORT folds the whole dequantisation at session load (float
+weights in memory, the speed of a float model); with scales as inputs it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.quant import fp8
+from qwen2om.quantized import Fp8Weight
+from qwen2om.weights import WeightRef
+
+STORAGES = ("float8", "bytes")
+WEIGHT_SUFFIX = ".weight_fp8"
+SCALE_SUFFIX = ".weight_fp8_scale"  # scale_inputs finds FP8 scales by this suffix
+FP8_OPSET, FP8_IR = 19, 9
+
+
+def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
+    """A small inline constant, shared by name."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    v = ir.Value(name=name, shape=ir.Shape(value.shape), type=ir.TensorType(ir.DataType.from_numpy(value.dtype)),
+                 const_value=ir.tensor(value, name=name))
+    graph.register_initializer(v)
+    return v
+
+
+def e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn byte (0x7F and 0xFF are NaN)."""
+    return torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float().numpy()
+
+
+@register
+class LowerFp8:
+    """FP8 MatMuls → e4m3fn weight + float32 block scale, dequantised in the graph (no-op for other models)."""
+
+    name: ClassVar[str] = "lower_fp8"
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("fp8_lowered",)
+
+    def __init__(self, storage: str = "float8") -> None:
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(STORAGES)}, not {storage!r}")
+        self.storage = storage
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        ckpt = ws.need("checkpoint")
+        weights, bindings = ws.need("weights")
+        ws["fp8_lowered"] = True
+        if not any(q.kind == "fp8" for q in ckpt.quantized.values()):
+            return PassResult(False, {"lowered": 0})
+        compute = ir.DataType.FLOAT if weights.dtype == torch.float32 else ir.DataType.FLOAT16
+        lowered = 0
+        for model in ws.need("graphs").values():
+            graph = model.graph
+            for node in list(graph):
+                if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+                    continue
+                w = node.inputs[1]
+                ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
+                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
+                if not isinstance(q, Fp8Weight):
+                    continue
+                dequantized = self.dequantize(graph, q, ckpt, weights, bindings, compute)
+                node.replace_input_with(1, dequantized)
+                if not w.uses():
+                    graph.initializers.pop(w.name)
+                lowered += 1
+            if self.storage == "float8":
+                model.opset_imports[""] = max(model.opset_imports.get("", FP8_OPSET), FP8_OPSET)
+                model.ir_version = max(model.ir_version or FP8_IR, FP8_IR)
+        return PassResult(True, {"lowered": lowered, "storage": self.storage})
+
+    def dequantize(self, graph: ir.Graph, q: Fp8Weight, ckpt: object, weights: object,
+                   bindings: dict[str, WeightRef], compute: ir.DataType) -> ir.Value:
+        """The nodes computing q's float weight [K, N] in the compute dtype, inserted at the top."""
+        n, k, (bn, bk) = q.n, q.k, q.block
+        gn, gk = q.scale_shape
+        stored = ir.DataType.FLOAT8E4M3FN if self.storage == "float8" else ir.DataType.UINT8
+        wq = self.derived(graph, bindings, weights, q.base + WEIGHT_SUFFIX, stored, [k, n],
+                          lambda: ckpt.raw(q.name).T.contiguous().view(torch.uint8))  # type: ignore[attr-defined]
+        s = self.derived(graph, bindings, weights, q.base + SCALE_SUFFIX, ir.DataType.FLOAT, [gn, gk],
+                         lambda: q.scale(ckpt).contiguous())
+        p = f"/{q.base}/fp8"
+        nodes: list[ir.Node] = []
+
+        def op(kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
+            attributes = [ir.AttrInt64(a, v) if isinstance(v, int) else ir.AttrInt64s(a, v) for a, v in attrs.items()]
+            node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"{p}/{kind}_{len(nodes)}")
+            node.outputs[0].name = f"{p}/{kind}_{len(nodes)}_out"
+            nodes.append(node)
+            return node.outputs[0]
+
+        i64 = np.int64
+        tiled = op("Reshape", op("Expand", op("Unsqueeze", op("Transpose", s, perm=[1, 0]),
+                                              const(graph, "/fp8/axes_1_3", np.array([1, 3], i64))),
+                                 const(graph, f"/fp8/tiles_{gk}x{bk}x{gn}x{bn}", np.array([gk, bk, gn, bn], i64))),
+                      const(graph, f"/fp8/shape_{gk * bk}x{gn * bn}", np.array([gk * bk, gn * bn], i64)))
+        if (gk * bk, gn * bn) != (k, n):  # a partial last tile
+            tiled = op("Slice", tiled, const(graph, "/fp8/zeros_2", np.zeros(2, i64)),
+                       const(graph, f"/fp8/ends_{k}x{n}", np.array([k, n], i64)))
+        if self.storage == "float8":
+            decoded = op("Cast", wq, to=ir.DataType.FLOAT.value)
+        else:
+            decoded = op("Gather", const(graph, "/fp8/e4m3fn_table", e4m3_table()),
+                         op("Cast", wq, to=ir.DataType.INT32.value))
+        out = op("Mul", decoded, tiled)
+        if compute != ir.DataType.FLOAT:
+            out = op("Cast", out, to=compute.value)
+        out.shape, out.type = ir.Shape([k, n]), ir.TensorType(compute)
+        graph.insert_before(graph.node(0), nodes)
+        return out
+
+    @staticmethod
+    def derived(graph: ir.Graph, bindings: dict[str, WeightRef], weights: object, name: str,
+                dtype: ir.DataType, shape: list[int], produce: object) -> ir.Value:
+        """An initializer written from the checkpoint by `produce` (shared by the graphs by name)."""
+        if name in graph.initializers:
+            return graph.initializers[name]
+        v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+        graph.initializers.add(v)
+        weights.derived[name] = produce  # type: ignore[attr-defined]
+        bindings[name] = WeightRef(name)
+        return v
