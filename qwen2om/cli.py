@@ -228,7 +228,9 @@ CT = "compressed-tensors"
 def calibrate(
     model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
     out: Annotated[Path, typer.Option("--out", "-o", help="quantised checkpoint directory to write")],
-    scheme: Annotated[str, typer.Option(help="quantisation scheme: w4a16")] = "w4a16",
+    scheme: Annotated[str, typer.Option(help="w4a16 (int4 weights in groups, calibrated) or fp8-block (e4m3fn "
+                                        "weights in 128×128 tiles, data-free; Hugging Face's fine-grained FP8 "
+                                        "format, as Qwen3-*-FP8)")] = "w4a16",
     method: Annotated[str | None, typer.Option(help="gptq (default; Hessian-based, static act-order), awq "
                                                "(activation-aware scaling + clipping search) or rtn (data-free)"
                                                )] = None,
@@ -258,15 +260,22 @@ def calibrate(
     from qwen2om.quant.calibrate import CalibrationError, calibration_config
     from qwen2om.quant.calibrate import calibrate as run_calibrate
 
-    if scheme != "w4a16":
-        raise CalibrationError(f"--scheme {scheme!r}: only w4a16 is implemented")
-    flags = {"method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
+    if scheme == "fp8-block":
+        w4_only = {"--method": method not in (None, "rtn"), "--group-size": group_size is not None,
+                   "--sym/--asym": sym is not None, "--dataset": dataset is not None}
+        if given := [flag for flag, used in w4_only.items() if used]:
+            raise CalibrationError(f"{', '.join(given)}: not used by --scheme fp8-block (data-free: each 128×128 "
+                                   "tile's largest |w| maps to e4m3fn's 448)")
+    flags = {"scheme": scheme, "method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
              "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
              "quantize_lm_head": quantize_lm_head, "fmt": fmt}
     cfg = calibration_config(recipe, {k: v for k, v in flags.items() if v is not None}, tuple(ignore or ()))
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
     r = result.report
+    if r["scheme"] == "fp8-block":
+        print_fp8_report(model, out, r)
+        return
     table = Table(title=f"calibrate {model} → {out} ({r['method']}, group {r['group_size']}, "
                         f"{'sym' if r['symmetric'] else 'asym'})")
     for col in ("layer", "seconds", "linears", "mean RTN error", "mean error"):
@@ -283,6 +292,23 @@ def calibrate(
         out_console.print(f"{ds['samples']} samples × {ds['seq_len']} tokens from {ds['source']}")
     out_console.print(f"{r['quantized']} weights quantised in {r['seconds']:.1f} s; "
                       f"report: {out}/calibration_report.json")
+
+
+def print_fp8_report(model: str, out: Path, r: dict) -> None:
+    table = Table(title=f"calibrate {model} → {out} (fp8-block, e4m3fn, {r['block_size'][0]}×{r['block_size'][1]} "
+                        "tiles, data-free)")
+    for col in ("layer", "seconds", "linears", "mean ‖ΔW‖/‖W‖", "scale min", "scale max"):
+        table.add_column(col)
+    for layer in r["layers"]:
+        lin = layer["linears"]
+        if not lin:
+            continue
+        table.add_row(str(layer["layer"]), f"{layer['seconds']:.2f}", str(len(lin)),
+                      f"{sum(x['relative_error'] for x in lin) / len(lin):.2e}",
+                      f"{min(x['scale_min'] for x in lin):.3g}", f"{max(x['scale_max'] for x in lin):.3g}")
+    out_console.print(table)
+    out_console.print(f"{r['quantized']} weights to FP8 in {r['seconds']:.1f} s; kept float: "
+                      f"{', '.join(r['left_float']) or 'none'}; report: {out}/calibration_report.json")
 
 
 eval_app = typer.Typer(help="Measure quality: perplexity, and agreement with a float reference.",

@@ -318,3 +318,65 @@ def test_scale_values_match_checkpoint_dtype_variants(checkpoint, tmp_path: Path
         raw = ckpt.raw(q.scale_name)
         assert raw.dtype == dtype
         assert np.array_equal(q.scale(ckpt).numpy(), raw.float().numpy())
+
+
+# -- calibrate --scheme fp8-block ----------------------------------------------------------------
+
+def test_calibrate_fp8_block_writes_the_hf_format(cli, checkpoint, tmp_path: Path) -> None:
+    import transformers
+
+    out = tmp_path / "fp8"
+    code, stdout, err = cli("calibrate", "builtin:tiny-qwen3-trained", "-o", out, "--scheme", "fp8-block")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    ckpt, src = Checkpoint(out), Checkpoint(checkpoint("tiny-qwen3-trained"))
+    assert sorted(ckpt.quantized) == sorted(n for n in src.names() if n.endswith("_proj.weight"))
+    for name in src.names():  # norms, embeddings stay exactly as they were
+        if name not in ckpt.quantized:
+            assert ckpt.info(name).dtype == src.info(name).dtype and torch.equal(ckpt.get(name), src.get(name)), name
+    q = ckpt.quantized["model.layers.0.mlp.down_proj.weight"]
+    assert (q.scale_shape, ckpt.info(q.name).dtype, ckpt.info(q.scale_name).dtype) == (
+        (2, 6), torch.float8_e4m3fn, torch.float32)
+    w, w_hat = src.get(q.name, torch.float32), ckpt.get(q.name)
+    assert float((w_hat - w).norm() / w.norm()) < 0.04  # e4m3: 3 mantissa bits
+    report = json.loads((out / "calibration_report.json").read_text())
+    assert report["scheme"] == "fp8-block" and report["quantized"] == 28 and len(report["layers"]) == 4
+    # transformers reads it back (dequantising on CPU) to exactly the weights qwen2om holds
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    state = model.state_dict()
+    assert all(torch.equal(state[n], ckpt.get(n)) for n in ckpt.quantized)
+    # and the round trip converts and verifies against its own dequantisation
+    onnx_out = tmp_path / "onnx"
+    convert(out, onnx_out, overrides=SMALL)
+    report = verify(onnx_out, out, tokens=8, prompts=["def f(x):"])
+    assert report.passed and report.max_abs <= 1e-4
+
+
+def test_calibrate_fp8_block_ragged_and_lm_head(cli, tmp_path: Path) -> None:
+    out = tmp_path / "fp8"
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--scheme", "fp8-block", "--quantize-lm-head",
+                       "--ignore", r"layers\.0\.mlp\.down_proj")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["quantization_config"]["modules_to_not_convert"] == ["model.layers.0.mlp.down_proj"]
+    ckpt = Checkpoint(out)
+    assert "lm_head.weight" in ckpt.quantized and "model.embed_tokens.weight" not in ckpt.quantized
+    assert "model.layers.0.mlp.down_proj.weight" not in ckpt.quantized
+    assert ckpt.quantized[RAGGED].scale_shape == (2, 1)
+    assert ckpt.quantized["lm_head.weight"].scale_shape == (1187, 1)  # 151,936 rows, 64 columns
+
+
+@pytest.mark.parametrize("flags,needle", [(["--method", "gptq"], "--method"), (["--group-size", "64"], "--group-size"),
+                                          (["--format", "ascendv1"], "fine-grained")])
+def test_calibrate_fp8_block_rejects_w4a16_flags(cli, tmp_path: Path, flags: list[str], needle: str) -> None:
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "x", "--scheme", "fp8-block", *flags)
+    assert code != 0 and needle in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_calibrate_refuses_an_fp8_checkpoint(cli, tmp_path: Path) -> None:
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3-fp8", "-o", tmp_path / "x", "--scheme", "fp8-block")
+    assert code != 0 and "already quantised (fp8)" in err

@@ -1,4 +1,5 @@
-"""`qwen2om calibrate`: W4A16 post-training quantisation of a checkpoint, layer by layer.
+"""`qwen2om calibrate`: W4A16 post-training quantisation of a checkpoint, layer by layer
+(`--scheme fp8-block`, data-free FP8, is qwen2om/quant/fp8_block.py).
 
 Only one decoder layer's weights are in memory at a time (qwen2om/layerwise.py). For GPTQ, each
 layer runs twice over the calibration samples: once with its float weights to accumulate every
@@ -40,6 +41,7 @@ from qwen2om.quant.writer import ShardWriter
 from qwen2om.quantized import DESCRIPTION
 from qwen2om.static_model import Linear
 
+SCHEMES = ("w4a16", "fp8-block")
 METHODS = ("rtn", "gptq", "awq")
 FORMATS = ("compressed-tensors", "ascendv1")
 REPORT = "calibration_report.json"
@@ -57,6 +59,7 @@ class CalibrationError(Qwen2omError):
 
 @dataclasses.dataclass
 class CalibrationConfig:
+    scheme: str = "w4a16"  # or "fp8-block" (data-free; qwen2om/quant/fp8_block.py)
     method: str = "gptq"
     group_size: int = 128
     symmetric: bool = True
@@ -184,6 +187,10 @@ class Calibrator:
         return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
 
     def finite(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        return self.finite_weight(name, w)
+
+    @staticmethod
+    def finite_weight(name: str, w: torch.Tensor) -> torch.Tensor:
         if not torch.isfinite(w).all():
             bad = int((~torch.isfinite(w)).sum())
             raise CalibrationError(f"{name}: {bad} non-finite values (NaN/Inf) in the weight; nothing was written")
@@ -404,6 +411,8 @@ class CalibrationResult:
 def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bool = False,
               progress: Callable[..., None] = lambda *a, **k: None,
               log: Callable[[str], None] = lambda m: None) -> CalibrationResult:
+    if cfg.scheme not in SCHEMES:
+        raise CalibrationError(f"--scheme {cfg.scheme!r} is not one of {', '.join(SCHEMES)}")
     if cfg.method not in METHODS:
         raise CalibrationError(f"--method {cfg.method!r} is not one of {', '.join(METHODS)}")
     if cfg.fmt not in FORMATS:
@@ -414,6 +423,8 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         qm = (ckpt.config.get("quantization_config") or {}).get("quant_method", DESCRIPTION)
         raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
     ckpt.validate_layout()
+    if cfg.scheme == "fp8-block":
+        return calibrate_fp8(model, source, ckpt, out, cfg, force=force, progress=progress)
     t0 = time.perf_counter()
     data = None
     if cfg.method != "rtn":
@@ -448,6 +459,44 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
             "layers": [{"layer": i, "seconds": round(s, 3),
                         "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name]}
                        for i, s in enumerate(cal.layer_seconds)],
+        }
+        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    ckpt.close()
+    return CalibrationResult(Path(out), report)
+
+
+def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, cfg: CalibrationConfig, *,
+                  force: bool, progress: Callable[..., None]) -> CalibrationResult:
+    """`--scheme fp8-block`: Hugging Face fine-grained FP8, 128×128 tiles, no data."""
+    from qwen2om.quant.fp8_block import BLOCK, hf_quantization_config, quantize_checkpoint
+
+    if cfg.fmt != "compressed-tensors":
+        raise CalibrationError(f"--format {cfg.fmt}: fp8-block writes Hugging Face's fine-grained FP8 format only")
+    t0 = time.perf_counter()
+    with staged_output(Path(out), force=force, marker=REPORT) as stage:
+        writer = ShardWriter(stage)
+        reports, seconds, left_float = quantize_checkpoint(
+            ckpt, writer, ignore=cfg.ignore, lm_head=cfg.quantize_lm_head, finite=Calibrator.finite_weight,
+            progress=progress)
+        writer.close()
+        config = dict(ckpt.config)
+        if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
+            config["tie_word_embeddings"] = False  # the head is now its own (FP8) tensor
+        config["quantization_config"] = hf_quantization_config(left_float)
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in COPY_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, stage / name)
+        errors = [r.relative_error for r in reports]
+        report = {
+            "model": str(model), "scheme": "fp8-block", "method": "rtn", "block_size": list(BLOCK),
+            "format": "e4m3fn", "dataset": None, "seconds": round(time.perf_counter() - t0, 2),
+            "quantized": len(reports), "left_float": left_float,
+            "mean_relative_error": float(np.mean(errors)) if errors else None,
+            "layers": [{"layer": i, "seconds": round(s, 3),
+                        "linears": [dataclasses.asdict(r) for r in reports if f"layers.{i}." in r.name]}
+                       for i, s in enumerate(seconds)],
+            "other": [dataclasses.asdict(r) for r in reports if ".layers." not in r.name],
         }
         (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     ckpt.close()
