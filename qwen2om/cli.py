@@ -294,6 +294,58 @@ def calibrate(
                       f"report: {out}/calibration_report.json")
 
 
+@app.command()
+def inspect(
+    path: Annotated[str, typer.Argument(help="a qwen2om output directory, an .onnx file, or a checkpoint directory "
+                                        "(or builtin:NAME)")],
+    as_json: Annotated[bool, typer.Option("--json", help="print everything as JSON")] = False,
+) -> None:
+    """What a conversion produced: graph inputs/outputs with roles, ops, weights by dtype, and every
+    scale input with the layer and module it feeds (or, for a checkpoint, its quantisation)."""
+    from qwen2om.inspect import grouped_io
+    from qwen2om.inspect import inspect as run_inspect
+
+    info = run_inspect(path)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    if info["kind"] == "checkpoint":
+        out_console.print(f"checkpoint {path}: {info['model_type']} ({info['architecture']}), {info['layers']} layers, "
+                          f"hidden {info['hidden']}, {info['tensors']} tensors in {len(info['shards'])} shard(s); "
+                          f"quantised: {info['quantized'] or 'none'}")
+        return
+    graphs = info["graphs"] if info["kind"] == "output" else {"graph": info}
+    for kind, g in graphs.items():
+        out_console.print(f"[bold]{kind}[/] ({g.get('file', path)}): {g['nodes']} nodes, opset {g['opset']}, "
+                          f"IR {g['ir_version']}; top ops: "
+                          + ", ".join(f"{op} {n}" for op, n in list(g["ops"].items())[:8]))
+        weights = ", ".join(f"{dt} {v['count']} ({fmt_bytes(v['bytes'])})" for dt, v in g["initializers"].items())
+        out_console.print(f"  initializers: {weights}")
+        if "inputs" not in g:
+            continue
+        table = Table(title=f"{kind}: inputs and outputs")
+        for col in ("", "name", "dtype", "shape", "role", "count"):
+            table.add_column(col, overflow="fold")
+        for side in ("inputs", "outputs"):
+            for row in grouped_io(g[side]):
+                table.add_row(side[:-1], row["name"], row["dtype"], row["shape"], row["role"], str(row["count"]))
+        out_console.print(table)
+    if info.get("scale_inputs"):
+        first = info["scale_inputs"][0]
+        table = Table(title=f"scale inputs: {len(info['scale_inputs'])}, float32, values in scales.safetensors; "
+                            f"each feeds the module its name starts with (source e.g. {first['source']})")
+        table.add_column("input", overflow="fold")
+        for col in ("layer", "shape", "scheme", "block"):
+            table.add_column(col, no_wrap=True)
+        for e in info["scale_inputs"]:
+            block = e.get("block_size") or [1, e.get("group_size")]
+            table.add_row(e["name"], str(e["layer"]), str(e["shape"]), e["scheme"], f"{block[0]}×{block[1]}")
+        out_console.print(table)
+    if info.get("scale_ranges"):
+        out_console.print("scale range per layer: " + "; ".join(
+            f"{r['layer']}: {r['min']:.3g}…{r['max']:.3g}" for r in info["scale_ranges"]))
+
+
 def print_fp8_report(model: str, out: Path, r: dict) -> None:
     table = Table(title=f"calibrate {model} → {out} (fp8-block, e4m3fn, {r['block_size'][0]}×{r['block_size'][1]} "
                         "tiles, data-free)")

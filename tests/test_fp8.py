@@ -380,3 +380,31 @@ def test_calibrate_fp8_block_rejects_w4a16_flags(cli, tmp_path: Path, flags: lis
 def test_calibrate_refuses_an_fp8_checkpoint(cli, tmp_path: Path) -> None:
     code, _, err = cli("calibrate", "builtin:tiny-qwen3-fp8", "-o", tmp_path / "x", "--scheme", "fp8-block")
     assert code != 0 and "already quantised (fp8)" in err
+
+
+def test_inspect_lists_scale_inputs(cli, fp8_out: Path) -> None:
+    code, stdout, err = cli("inspect", fp8_out, "--json")
+    assert code == 0, err
+    info = json.loads(stdout)
+    scales = {e["name"]: e for e in info["scale_inputs"]}
+    assert len(scales) == 28
+    e = scales["model.layers.1.mlp.gate_proj.weight.scale"]
+    assert (e["layer"], e["module"], e["shape"], e["block_size"]) == (1, "model.layers.1.mlp.gate_proj", [2, 1],
+                                                                      [128, 128])
+    decode = info["graphs"]["decode"]
+    assert decode["initializers"]["float8e4m3fn"]["count"] == 28
+    assert sum(io["role"] == "scale" for io in decode["inputs"]) == 28
+    assert [r["layer"] for r in info["scale_ranges"]] == [0, 1, 2, 3]
+    code, stdout, err = cli("inspect", fp8_out)
+    assert code == 0 and "scale inputs: 28" in stdout and "<weight>.scale" in stdout
+
+
+def test_inspect_checkpoint_and_bad_paths(cli, tmp_path: Path) -> None:
+    code, stdout, _ = cli("inspect", "builtin:tiny-qwen3-fp8", "--json")
+    info = json.loads(stdout)
+    assert code == 0 and info["kind"] == "checkpoint" and info["quantized"] == {"fp8": 28}
+    code, _, err = cli("inspect", tmp_path)
+    assert code != 0 and "not a qwen2om output directory" in err
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    code, _, err = cli("inspect", tmp_path / "bad.onnx")
+    assert code != 0 and "bad.onnx" in err and "Traceback" not in err

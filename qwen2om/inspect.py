@@ -1,0 +1,105 @@
+"""`qwen2om inspect PATH`: what a conversion produced (or what a checkpoint holds), as data.
+
+PATH is a qwen2om output directory (manifest.json), a single `.onnx` file, or a Hugging Face
+checkpoint directory (config.json). The result is a plain dict (`--json` prints it as is); the CLI
+draws it as tables. Graphs are read without their external data, so inspecting a 30B conversion
+reads a few MiB of protobuf, not the weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from qwen2om.errors import Qwen2omError
+
+LAYERED = re.compile(r"^(.*?)\.(\d+)$")  # past_key.3 → (past_key, 3)
+
+
+def onnx_summary(path: Path) -> dict[str, Any]:
+    """Nodes, op histogram, opset, IR version and initializers by dtype of one graph file."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError, OSError, ValueError… for a bad file
+        raise Qwen2omError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    by_dtype: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for init in model.graph.initializer:
+        name = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name if init.data_type != 17 else "float8e4m3fn"
+        n = 1
+        for d in init.dims:
+            n *= d
+        size = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize if init.data_type != 17 else 1
+        by_dtype[name]["count"] += 1
+        by_dtype[name]["bytes"] += n * size
+    ops = collections.Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+                              for n in model.graph.node)
+    return {"nodes": len(model.graph.node), "ops": dict(ops.most_common()),
+            "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}, "ir_version": model.ir_version,
+            "initializers": dict(sorted(by_dtype.items()))}
+
+
+def inspect_output(root: Path) -> dict[str, Any]:
+    manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    graphs = {}
+    for kind, spec in manifest["graphs"].items():
+        graphs[kind] = {"file": spec["file"], "tokens": spec["tokens"], "inputs": spec["inputs"],
+                        "outputs": spec["outputs"], **onnx_summary(root / spec["file"])}
+    scale_map_path = root / "scale_map.json"
+    scale_map = json.loads(scale_map_path.read_text(encoding="utf-8")) if scale_map_path.is_file() else {}
+    checks = next((s["stats"] for s in manifest.get("stages", []) if s.get("pass") == "check_scales"), {})
+    return {"kind": "output", "path": str(root), "source": manifest.get("source"),
+            "architecture": manifest.get("architecture"), "recipe": manifest.get("recipe"),
+            "runtime": manifest.get("runtime"), "graphs": graphs,
+            "scale_inputs": [{"name": name, **entry} for name, entry in sorted(scale_map.items())],
+            "scale_ranges": checks.get("layers", [])}
+
+
+def inspect_checkpoint(root: Path) -> dict[str, Any]:
+    from qwen2om.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(root)
+    try:
+        kinds = collections.Counter(q.kind for q in ckpt.quantized.values())
+        return {"kind": "checkpoint", "path": str(root), "model_type": ckpt.config.get("model_type"),
+                "architecture": ckpt.arch.name, "layers": ckpt.dims.layers, "hidden": ckpt.dims.hidden,
+                "quantization_config": ckpt.config.get("quantization_config"), "quantized": dict(kinds),
+                "scales": [{"weight": q.name, "scale": q.scale_name, "shape": list(q.scale_shape),
+                            "scheme": q.kind, "block": list(q.block)} for q in ckpt.quantized.values()],
+                "shards": [str(p.relative_to(root)) for p in ckpt.shards], "tensors": len(ckpt.names())}
+    finally:
+        ckpt.close()
+
+
+def inspect(path: Path | str) -> dict[str, Any]:
+    from qwen2om.builtin import resolve_model
+
+    path = resolve_model(str(path))
+    if path.is_dir() and (path / "manifest.json").is_file():
+        return inspect_output(path)
+    if path.is_file() and path.suffix == ".onnx":
+        return {"kind": "onnx", "path": str(path), **onnx_summary(path)}
+    if path.is_dir() and (path / "config.json").is_file():
+        return inspect_checkpoint(path)
+    raise Qwen2omError(f"{path}: not a qwen2om output directory (manifest.json), an .onnx file, or a checkpoint "
+                       "directory (config.json)")
+
+
+def grouped_io(ios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-layer I/O (past_key.0 … past_key.27, scale inputs) folded into one row per name pattern."""
+    rows: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for io in ios:
+        m = LAYERED.match(io["name"])
+        if io.get("role") == "scale":
+            key = ("<weight>.scale", io["dtype"], "per weight", "scale")
+        elif m and io.get("layer") is not None:
+            key = (f"{m.group(1)}.{{layer}}", io["dtype"], str(io["shape"]), io["role"])
+        else:
+            key = (io["name"], io["dtype"], str(io["shape"]), io.get("role", ""))
+        rows.setdefault(key, {"name": key[0], "dtype": key[1], "shape": key[2], "role": key[3], "count": 0})
+        rows[key]["count"] += 1
+    return list(rows.values())
