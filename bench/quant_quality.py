@@ -1,6 +1,7 @@
 """W4A16 quality and calibration time: qwen2om RTN / GPTQ / AWQ against llm-compressor GPTQ and
 ONNX Runtime's own blockwise quantizer, on one model, the same calibration windows and the same
-held-out text.
+held-out text; plus qwen2om's data-free FP8 (`calibrate --scheme fp8-block`, then `convert`: the
+row measures the converted ONNX model, FP8 weights with scale inputs).
 
     .venv/bin/python bench/quant_quality.py --model builtin:tiny-qwen3-trained --group-size 128
 
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "quant")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rows", default="rtn,gptq,awq,llmc,ort,fp8",
+                    help="comma-separated subset of rtn, gptq, awq, llmc, ort, fp8")
     args = ap.parse_args(argv)
+    wanted = set(args.rows.split(","))
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
 
     from qwen2om.builtin import resolve_model
@@ -112,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     float_out = work / "float-onnx"
     run([*qwen2om, "convert", str(src), "-o", str(float_out), "--force", "--set", "max_seq_len=512",
          "--set", "prefill_chunk=64"])
-    for method in ("rtn", "gptq", "awq"):
+    for method in [m for m in ("rtn", "gptq", "awq") if m in wanted]:
         out = work / f"qwen2om-{method}"
         wall, _ = run([*qwen2om, "calibrate", str(src), "-o", str(out), "--method", method, *common])
         report = json.loads((out / "calibration_report.json").read_text())
         rows.append({"tool": f"qwen2om {method}", "seconds": report["seconds"], "wall": wall,
                      **quality(str(out), str(src), heldout, args.window, args.windows)})
-    if LLMC_PY.exists():
+    if "llmc" not in wanted:
+        pass
+    elif LLMC_PY.exists():
         out = work / "llmcompressor-gptq"
         wall, stdout = run([str(LLMC_PY), "bench/llmcompressor_w4a16.py", "--model", str(src), "--samples", str(ids),
                             "--out", str(out), "--group-size", str(args.group_size)])
@@ -127,10 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                      **quality(str(out), str(src), heldout, args.window, args.windows)})
     else:
         rows.append({"tool": "llm-compressor gptq", "error": f"{LLMC_PY} not found (see bench/llmcompressor_w4a16.py)"})
-    ort_out = work / "ort-default"
-    seconds = ort_quantize(float_out, ort_out, args.group_size)
-    rows.append({"tool": "onnxruntime MatMulNBits default (RTN)", "seconds": seconds, "wall": seconds,
-                 **quality(str(ort_out), str(src), heldout, args.window, args.windows)})
+    if "ort" in wanted:
+        ort_out = work / "ort-default"
+        seconds = ort_quantize(float_out, ort_out, args.group_size)
+        rows.append({"tool": "onnxruntime MatMulNBits default (RTN)", "seconds": seconds, "wall": seconds,
+                     **quality(str(ort_out), str(src), heldout, args.window, args.windows)})
+    if "fp8" in wanted:
+        ckpt, out = work / "qwen2om-fp8-block", work / "qwen2om-fp8-block-onnx"
+        wall, _ = run([*qwen2om, "calibrate", str(src), "-o", str(ckpt), "--scheme", "fp8-block", "--force"])
+        report = json.loads((ckpt / "calibration_report.json").read_text())
+        run([*qwen2om, "convert", str(ckpt), "-o", str(out), "--force", "--set", "max_seq_len=512",
+             "--set", "prefill_chunk=64"])
+        rows.append({"tool": "qwen2om fp8-block (data-free; converted ONNX, scale inputs)",
+                     "seconds": report["seconds"], "wall": wall,
+                     **quality(str(out), str(src), heldout, args.window, args.windows)})
 
     base = next((r["ref_ppl"] for r in rows if "ref_ppl" in r), float("nan"))
     print(f"model {args.model}, group {args.group_size} symmetric, {len(samples.samples)} calibration windows × "
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['tool']} | {r['error']} | | | | |")
             continue
         print(f"| {r['tool']} | {r['seconds']:.1f} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['top1']:.2%} | "
-              f"{r['kl']:.4f} |")
+              f"{r['kl']:.2e} |")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     return 0
