@@ -408,3 +408,25 @@ def test_inspect_checkpoint_and_bad_paths(cli, tmp_path: Path) -> None:
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     code, _, err = cli("inspect", tmp_path / "bad.onnx")
     assert code != 0 and "bad.onnx" in err and "Traceback" not in err
+
+
+def test_scale_map_must_match_the_graphs(fp8_out: Path, tmp_path: Path) -> None:
+    """check_outputs' rule: every scale input of the graphs is in scale_map.json, and nothing else."""
+    from qwen2om.errors import Qwen2omError
+    from qwen2om.passes.check_outputs import check_scale_map
+    from qwen2om.signature import IOSpec
+
+    manifest = json.loads((fp8_out / "manifest.json").read_text())
+    sigs = {kind: ([IOSpec(io["name"], io["dtype"], tuple(io["shape"]), io["role"], io.get("layer"))
+                    for io in g["inputs"]], []) for kind, g in manifest["graphs"].items()}
+    stage = tmp_path / "stage"
+    shutil.copytree(fp8_out, stage)
+    check_scale_map(stage, sigs)
+    original = json.loads((stage / "scale_map.json").read_text())
+    gone = "model.layers.3.mlp.up_proj.weight.scale"
+    (stage / "scale_map.json").write_text(json.dumps({k: v for k, v in original.items() if k != gone}))
+    with pytest.raises(Qwen2omError, match=gone):
+        check_scale_map(stage, sigs)
+    (stage / "scale_map.json").write_text(json.dumps({**original, "model.extra.weight.scale": {}}))
+    with pytest.raises(Qwen2omError, match="model.extra.weight.scale"):
+        check_scale_map(stage, sigs)
