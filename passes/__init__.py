@@ -5,6 +5,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     check_scales,
     check_weights,
     export_onnx,
+    fuse_int4,
     legalize_ort,
     load_checkpoint,
     lower_fp8,

@@ -138,7 +138,7 @@ def test_int4_graph_matches_its_dequantised_weights(calibrated, tmp_path, method
     assert lowered["stats"]["lowered"] == 2 * 28  # both graphs
     assert result.manifest["runtime"]["prepack_weights"]  # MatMulNBits is fast only prepacked
     summary = (out / "graphs" / "summary.txt").read_text()
-    assert "op     MatMulNBits 28" in summary
+    assert "op     MatMulNBits 16" in summary  # fuse_int4: per layer qkv, o, gate_up, down
     report = verify(out, str(calibrated[method]), tokens=8, prompts=["The quick brown fox"])
     assert report.passed and report.max_abs <= 1e-3
 
