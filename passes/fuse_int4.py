@@ -3,8 +3,8 @@
 A decoder layer runs q/k/v on the same normed hidden state and gate/up on the same one: five
 MatMulNBits calls where two do the same work. At decode (M = 1) each call is short and its fixed
 cost (activation quantisation at accuracy_level 4, thread dispatch, output allocation) is paid per
-call, so ONNX Runtime GenAI's builder writes fused qkv and gate_up projections; this pass does the
-same after `lower_int4`:
+call. ONNX Runtime GenAI's builder writes one fused qkv MatMulNBits per layer (5 per layer with
+gate, up, o, down); this pass fuses q/k/v and gate/up (4 per layer) after `lower_int4`:
 
     MatMulNBits(x, B_q, s_q) ─┐           MatMulNBits(x, [B_q; B_k; B_v], [s_q; s_k; s_v])
     MatMulNBits(x, B_k, s_k) ─┼─ becomes                  └─ Split(axis -1, [N_q, N_k, N_v])
