@@ -28,6 +28,31 @@ LONG_SEED = ("def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci
              "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n")
 # Tolerances per compute dtype (issue 2): fp32 is exact to float rounding; fp16 by top-1 agreement.
 TOLERANCES = {"float32": {"max_abs": 1e-4, "agreement": 1.0}, "float16": {"max_abs": None, "agreement": 0.99}}
+# int4 models whose MatMulNBits may compute in a lower precision than the graph (lower_int4's
+# accuracy_level, read from the manifest). Levels 0 and 1 compute in the activations' float type
+# (exact against the dequantised weights): the dtype's tolerance stands. Level 2 computes in fp16:
+# fp16's tolerance. Levels 3 (bf16, 8 significant bits) and 4 (activations quantised to int8 per
+# block, a step of 1/127 of the block's largest |x|) round one to two orders of magnitude more
+# coarsely than fp16, and the error grows with the logits' scale: on a random 28-layer Qwen3-0.6B
+# at level 4, max |Δlogits| 0.056-0.088 with 45-47 of 48 tokens agreeing (random weights give
+# near-tied logits). Judged by top-1 agreement ≥ 90 % alone, which still fails any wrong kernel or
+# packing (those agree on next to nothing).
+ACCURACY_LEVEL_TOLERANCES = {
+    2: {"max_abs": None, "agreement": 0.99, "why": "MatMulNBits accuracy_level 2: fp16 compute"},
+    3: {"max_abs": None, "agreement": 0.90, "why": "MatMulNBits accuracy_level 3: bf16 compute"},
+    4: {"max_abs": None, "agreement": 0.90, "why": "MatMulNBits accuracy_level 4: int8 activations"},
+}
+
+
+def tolerance(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The compute dtype's tolerance, loosened for an int4 model lowered with accuracy_level ≥ 2."""
+    tol: dict[str, Any] = dict(TOLERANCES[manifest["runtime"]["dtype"]])
+    lowered = next((s["stats"] for s in manifest.get("stages", []) if s.get("pass") == "lower_int4"), {})
+    level = int(lowered.get("accuracy_level", 0)) if lowered.get("lowered") else 0
+    loose = ACCURACY_LEVEL_TOLERANCES.get(level)
+    if loose is None:
+        return tol
+    return {"max_abs": loose["max_abs"], "agreement": min(tol["agreement"], loose["agreement"]), "why": loose["why"]}
 
 
 @dataclasses.dataclass
@@ -151,5 +176,4 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
                 logits = engine.step([tok] * engine.batch)[0]
         results.append(PromptResult(text, len(ids), len(ref_tokens), max(diffs), agree, first))
     progress("verifying", len(texts), len(texts))
-    dtype = manifest["runtime"]["dtype"]
-    return VerifyReport(dtype, TOLERANCES[dtype], results)
+    return VerifyReport(manifest["runtime"]["dtype"], tolerance(manifest), results)

@@ -343,3 +343,50 @@ def test_recipe_extends_the_ignore_list_and_flags_override_it(tmp_path, cli) -> 
     recipe.write_text("methd: gptq\n")
     code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", tmp_path / "p", "--recipe", recipe)
     assert code == 2 and "unknown setting(s) methd" in err
+
+
+def test_verify_tolerance_follows_the_int4_accuracy_level() -> None:
+    from qwen2om.verify import tolerance
+
+    def manifest(dtype: str, level: int | None) -> dict:
+        stages = [] if level is None else [{"pass": "lower_int4", "stats": {"lowered": 56, "accuracy_level": level}}]
+        return {"runtime": {"dtype": dtype}, "stages": stages}
+
+    assert tolerance(manifest("float32", None)) == {"max_abs": 1e-4, "agreement": 1.0}
+    assert tolerance(manifest("float32", 0)) == tolerance(manifest("float32", 1)) == {"max_abs": 1e-4, "agreement": 1.0}
+    acc4 = tolerance(manifest("float32", 4))
+    assert acc4["max_abs"] is None and acc4["agreement"] == 0.90 and "int8" in acc4["why"]
+    assert tolerance(manifest("float16", 2))["agreement"] == 0.99
+    float_model = {"runtime": {"dtype": "float32"}, "stages": [{"pass": "lower_int4", "stats": {"lowered": 0,
+                                                                                               "accuracy_level": 4}}]}
+    assert tolerance(float_model)["max_abs"] == 1e-4  # nothing lowered: exact as before
+
+
+def test_quantized_lm_head_of_a_tied_model(tmp_path) -> None:
+    """--quantize-lm-head on a tied model: its own int4 lm_head, the embedding stays float, convert
+    lowers the head to MatMulNBits (its output is `logits` itself in fp32), and accuracy level 4
+    passes verify with its own tolerance."""
+    from qwen2om.convert import convert
+    from qwen2om.verify import verify
+
+    ckpt = tmp_path / "w4"
+    calibrate("builtin:tiny-qwen3", ckpt, CalibrationConfig(method="rtn", quantize_lm_head=True, **SMALL))
+    c = Checkpoint(ckpt)
+    names = set(c.names())
+    assert {"lm_head.weight_packed", "lm_head.weight_scale"} <= names and "lm_head.weight" not in names
+    assert c.info("model.embed_tokens.weight").dtype.is_floating_point
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is False
+    recipe = tmp_path / "acc4.yaml"
+    text = (Path(__file__).parents[1] / "recipes" / "qwen3-fp32.yaml").read_text()
+    recipe.write_text(text.replace("  - lower_int4 ", "  - lower_int4: {accuracy_level: 4} ", 1))
+    out = tmp_path / "out"
+    result = convert(ckpt, out, recipe=str(recipe), overrides=["max_seq_len=128", "prefill_chunk=16"])
+    assert next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")["stats"] == {
+        "lowered": 2 * 29, "accuracy_level": 4}
+    import onnx
+
+    decode = onnx.load(str(out / "model.decode.onnx"), load_external_data=False)
+    head = next(n for n in decode.graph.node if n.name == "/lm_head/MatMulNBits")
+    assert head.output[0] == "logits"
+    report = verify(out, str(ckpt), tokens=8, prompts=["The quick brown fox"])
+    assert report.passed and report.tolerance["agreement"] == 0.90, report.to_dict()
