@@ -59,7 +59,12 @@ from qwen2om.fixtures.synthetic import DENSE_PRESETS, SyntheticPreset, resolve_p
 
 GENAI_BASELINE_TPS = 14.1  # ORT GenAI int4 decode measured earlier on this machine (2 cores); the issue's yardstick
 TARGET_SPEEDUP = 1.5  # the issue: qwen2om int4 decode >= 1.5x ORT GenAI int4
-KEYS = ("fp32", "w4-acc0", "w4-acc4", "ort-genai", "w4-acc0-unpacked", "w4-acc4-unpacked")
+KEYS = ("fp32", "w4-acc0", "w4-acc4-unfused", "w4-acc4", "w4-acc4-qhead", "w4-acc4-g32-qhead", "ort-genai",
+        "w4-acc0-unpacked", "w4-acc4-unpacked")
+# The int4 conversions: key → (calibration, recipe). Calibrations: "g" = --group-size G (LM head float, tied
+# to the embedding), "g-qhead" = the same with --quantize-lm-head, "g32-qhead" = group 32 with it.
+INT4 = {"w4-acc0": ("g", "default"), "w4-acc4-unfused": ("g", "acc4-unfused"), "w4-acc4": ("g", "acc4"),
+        "w4-acc4-qhead": ("g-qhead", "acc4"), "w4-acc4-g32-qhead": ("g32-qhead", "acc4")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +100,16 @@ def qwen2om_cli() -> list[str]:
     return [str(script)] if script.is_file() else [shutil.which("qwen2om") or "qwen2om"]
 
 
-def acc4_recipe(base: Path, dest: Path) -> Path:
-    """`base` with its pipeline entry `- lower_int4` made `- lower_int4: {accuracy_level: 4}`."""
+def acc4_recipe(base: Path, dest: Path, *, fuse: bool = True) -> Path:
+    """`base` with its pipeline entry `- lower_int4` made `- lower_int4: {accuracy_level: 4}`; without
+    `fuse`, also without its `- fuse_int4` entry (q/k/v and gate/up stay separate MatMulNBits)."""
     text, n = re.subn(r"(?m)^(\s*)- lower_int4\b.*$", r"\1- lower_int4: {accuracy_level: 4}", base.read_text())
     if n != 1:
         raise SystemExit(f"{base}: expected one '- lower_int4' pipeline entry, found {n}")
+    if not fuse:
+        text, n = re.subn(r"(?m)^\s*- fuse_int4\b.*\n", "", text)
+        if n != 1:
+            raise SystemExit(f"{base}: expected one '- fuse_int4' pipeline entry, found {n}")
     dest.write_text(text)
     return dest
 
@@ -420,36 +430,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ckpt, _ = ensure_checkpoint(a.workdir, a.preset, p.layers, a.seed)
     tag = f"{a.preset}-L{p.layers}-s{a.seed}"
-    w4 = work / f"w4-rtn-g{a.group_size}-{tag}"
+    groups = {"g": (a.group_size, False), "g-qhead": (a.group_size, True), "g32-qhead": (32, True)}
+    w4 = {c: work / f"w4-rtn-g{g}{'-qhead' if head else ''}-{tag}" for c, (g, head) in groups.items()}
     sets = ["--set", f"max_seq_len={a.max_seq_len}", "--set", f"prefill_chunk={a.prefill_chunk}"]
     shape = f"P{a.max_seq_len}-T{a.prefill_chunk}"
-    out = {k: work / f"onnx-{k}-{tag}-{shape}" for k in ("fp32", "w4-acc0", "w4-acc4")}
+    out = {k: work / f"onnx-{k}-{tag}-{shape}" for k in ("fp32", *INT4)}
     genai = work / f"ortgenai-int4-{tag}"
-    recipe = acc4_recipe(REPO / "recipes" / "qwen3-fp32.yaml", work / "qwen3-fp32-int4-acc4.yaml")
+    base = REPO / "recipes" / "qwen3-fp32.yaml"
+    recipes = {"acc4": acc4_recipe(base, work / "qwen3-fp32-int4-acc4.yaml"),
+               "acc4-unfused": acc4_recipe(base, work / "qwen3-fp32-int4-acc4-unfused.yaml", fuse=False)}
     force = ["--force"] if a.rebuild else []
     q = qwen2om_cli()
-    commands = {
-        "calibrate": [*q, "calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--group-size",
-                      str(a.group_size), *force],
-        "fp32": [*q, "convert", str(ckpt), "-o", str(out["fp32"]), *sets, *force],
-        "w4-acc0": [*q, "convert", str(w4), "-o", str(out["w4-acc0"]), *sets, *force],
-        "w4-acc4": [*q, "convert", str(w4), "-o", str(out["w4-acc4"]), "--recipe", str(recipe), *sets, *force],
-        "ort-genai": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
-                      "-p", "int4", "-e", "cpu", "-c", str(work / "ortgenai-cache")],
-    }
-    builds: dict[str, ChildRun | None] = {
-        "calibrate": build("calibrate", w4 / "config.json", commands["calibrate"], a.rebuild)}
-    for k in ("fp32", "w4-acc0", "w4-acc4"):
-        builds[k] = build(f"convert {k}", out[k] / "manifest.json", commands[k], a.rebuild)
-    if not a.skip_ort_genai:
-        if a.rebuild and genai.exists():
-            shutil.rmtree(genai)
-        builds["ort-genai"] = build("ORT GenAI builder", genai / "genai_config.json", commands["ort-genai"],
-                                    a.rebuild, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    commands = {f"calibrate {c}": [*q, "calibrate", str(ckpt), "-o", str(w4[c]), "--method", "rtn", "--group-size",
+                                   str(g), *(["--quantize-lm-head"] if head else []), *force]
+                for c, (g, head) in groups.items()}
+    commands["fp32"] = [*q, "convert", str(ckpt), "-o", str(out["fp32"]), *sets, *force]
+    for k, (c, r) in INT4.items():
+        commands[k] = [*q, "convert", str(w4[c]), "-o", str(out[k]),
+                       *([] if r == "default" else ["--recipe", str(recipes[r])]), *sets, *force]
+    commands["ort-genai"] = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
+                             str(genai), "-p", "int4", "-e", "cpu", "-c", str(work / "ortgenai-cache")]
 
     variants = [Variant("fp32", "qwen2om fp32", "qwen2om", out["fp32"]),
-                Variant("w4-acc0", "qwen2om int4, accuracy_level 0", "qwen2om", out["w4-acc0"]),
-                Variant("w4-acc4", "qwen2om int4, accuracy_level 4", "qwen2om", out["w4-acc4"])]
+                Variant("w4-acc0", f"qwen2om int4 g{a.group_size}, accuracy_level 0", "qwen2om", out["w4-acc0"]),
+                Variant("w4-acc4-unfused", f"qwen2om int4 g{a.group_size}, accuracy_level 4, unfused", "qwen2om",
+                        out["w4-acc4-unfused"]),
+                Variant("w4-acc4", f"qwen2om int4 g{a.group_size}, accuracy_level 4", "qwen2om", out["w4-acc4"]),
+                Variant("w4-acc4-qhead", f"qwen2om int4 g{a.group_size}, accuracy_level 4, int4 LM head", "qwen2om",
+                        out["w4-acc4-qhead"]),
+                Variant("w4-acc4-g32-qhead", "qwen2om int4 g32, accuracy_level 4, int4 LM head", "qwen2om",
+                        out["w4-acc4-g32-qhead"])]
     if not a.skip_ort_genai:
         variants.append(Variant("ort-genai", "ORT GenAI int4 (accuracy_level 4)", "ort-genai", genai))
     if a.unpacked_rows or a.only:
@@ -457,11 +467,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "qwen2om", out[k], unpacked=True) for k in ("w4-acc0", "w4-acc4")]
     if a.only:
         variants = [v for v in variants if v.key in a.only.split(",")]
+    verified = [k for k in INT4 if a.verify_tokens and (not a.only or k in a.only.split(","))]
+    wanted = {v.key.removesuffix("-unpacked") for v in variants} | set(verified)
+
+    builds: dict[str, ChildRun | None] = {}
+    for c in groups:
+        if any(INT4[k][0] == c for k in wanted if k in INT4):
+            builds[f"calibrate {c}"] = build(f"calibrate {c}", w4[c] / "config.json", commands[f"calibrate {c}"],
+                                             a.rebuild)
+    for k in ("fp32", *INT4):
+        if k in wanted:
+            builds[k] = build(f"convert {k}", out[k] / "manifest.json", commands[k], a.rebuild)
+    if "ort-genai" in wanted:
+        if a.rebuild and genai.exists():
+            shutil.rmtree(genai)
+        builds["ort-genai"] = build("ORT GenAI builder", genai / "genai_config.json", commands["ort-genai"],
+                                    a.rebuild, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
     ids = make_prompt(ckpt / "tokenizer.json", a.prompt_tokens)
     budget = [a.max_wait_s]
     rows = [measure(v, ids, a, threads, budget) for v in variants]
-    checks = {k: verify(out[k], w4, a.verify_tokens, work / f"verify-{k}-{tag}-{shape}.json", a.rebuild)
-              for k in ("w4-acc0", "w4-acc4")} if a.verify_tokens else {}
+    checks = {k: verify(out[k], w4[INT4[k][0]], a.verify_tokens, work / f"verify-{k}-{tag}-{shape}.json",
+                        a.rebuild) for k in verified}
 
     import onnxruntime as ort
     import onnxruntime_genai as og
@@ -473,14 +500,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     by = {r.variant.key: r for r in rows}
     facts = []
-    for x, y in (("w4-acc0", "w4-acc4"), ("fp32", "w4-acc0"), ("w4-acc0-unpacked", "w4-acc0")):
+    for x, y in (("w4-acc0", "w4-acc4"), ("fp32", "w4-acc0"), ("w4-acc0-unpacked", "w4-acc0"),
+                 ("w4-acc4-unfused", "w4-acc4"), ("w4-acc4", "w4-acc4-qhead")):
         if x in by and y in by:
             same = agreement(by[x].timing.tokens, by[y].timing.tokens)
             facts.append(f"greedy tokens {y} vs {x}: the first {same} of {a.new_tokens} identical")
     for k, rep in checks.items():
         facts.append(f"qwen2om verify {k} --reference W4 --tokens {a.verify_tokens}: max |Δlogits| "
                      f"{rep['max_abs_logits']:.4g}, top-1 agreement {rep['top1_agreement']:.3f}")
-    for k in ("fp32", "w4-acc0", "w4-acc4"):
+    for k in ("fp32", *INT4):
+        if k not in wanted:
+            continue
         built = built_at(out[k])
         if built is None or not same_code(built, commit):
             facts.append(f"{k} was converted at qwen2om {built or 'an unrecorded commit'}, not {commit} "
@@ -498,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.json.write_text(json.dumps({
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
             "commit": commit, "preset": dataclasses.asdict(p), "prompt_ids": ids,
-            "commands": commands, "recipe_acc4": recipe.read_text(),
+            "commands": commands, "recipes": {r: path.read_text() for r, path in recipes.items()},
             "builds": {k: dataclasses.asdict(b) if b else None for k, b in builds.items()},
             "rows": [{"variant": {**dataclasses.asdict(r.variant), "path": str(r.variant.path)},
                       "timing": dataclasses.asdict(r.timing), "child": dataclasses.asdict(r.child),
