@@ -195,12 +195,16 @@ def verify(
     prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
                                                      "prompts, one longer than a prefill chunk)")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
+    reference_loader: Annotated[str, typer.Option(help="quantised references: exact (qwen2om's float32 "
+                                                  "dequantisation, the weights OUT holds) or transformers (its own "
+                                                  "from_pretrained, as it is)")] = "exact",
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
     from qwen2om.verify import verify as run_verify
 
     with progress_bar() as progress:
-        report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress)
+        report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress,
+                            loader=reference_loader)
     table = Table(title=f"verify {out} against {reference} ({report.dtype})")
     for col in ("prompt", "prompt tok", "steps", "max |Δlogits|", "top-1 agree", "first mismatch"):
         table.add_column(col)

@@ -103,17 +103,25 @@ def long_prompt(engine: Engine, tokens: int) -> str:
     return text
 
 
-def load_reference(ref_dir: Path) -> Any:
-    """transformers' own model class in float32. A quantised checkpoint is loaded with its exact
-    float32 dequantisation, `(q - zp) · scale` (transformers' own decompression rounds it to the
-    scale's bf16), so the reference is the weights the converted model really holds."""
+LOADERS = ("exact", "transformers")
+
+
+def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
+    """transformers' own model class in float32. With `loader="exact"` (the default) a quantised
+    checkpoint is loaded with its exact float32 dequantisation, `(q - zp) · scale` or `q · scale`
+    per tile, so the reference is the weights the converted model really holds (transformers' own
+    int4 decompression rounds to the scale's bf16, and its FP8 load mis-sizes ragged tiles).
+    `loader="transformers"` is transformers' own `from_pretrained` (float32 on CPU) as it is."""
     import transformers
 
     from qwen2om.checkpoint import Checkpoint
 
     transformers.utils.logging.disable_progress_bar()
+    if loader not in LOADERS:
+        raise Qwen2omError(f"reference loader {loader!r} is not one of {', '.join(LOADERS)}")
     ckpt = Checkpoint(ref_dir)
-    if not ckpt.quantized:
+    if not ckpt.quantized or loader == "transformers":  # transformers' own load (it dequantises FP8 on CPU)
+        ckpt.close()
         return transformers.AutoModelForCausalLM.from_pretrained(
             ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
     cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
@@ -141,6 +149,7 @@ def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.
 
 
 def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[str] | None = None,
+           loader: str = "exact",
            progress: Any = lambda *a: None) -> VerifyReport:
     import transformers
 
@@ -150,7 +159,7 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
-    model = load_reference(ref_dir)
+    model = load_reference(ref_dir, loader)
     chunk = max(s["tokens"] for s in manifest["graphs"].values())
     long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None
     texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, *([long] if long else [])]

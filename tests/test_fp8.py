@@ -430,3 +430,15 @@ def test_scale_map_must_match_the_graphs(fp8_out: Path, tmp_path: Path) -> None:
     (stage / "scale_map.json").write_text(json.dumps({**original, "model.extra.weight.scale": {}}))
     with pytest.raises(Qwen2omError, match="model.extra.weight.scale"):
         check_scale_map(stage, sigs)
+
+
+def test_verify_aligned_fp8_against_transformers_own_load(cli, tmp_path: Path) -> None:
+    """Every dimension a multiple of 128: transformers' own CPU load of the FP8 checkpoint is the
+    reference, as it is, and the FP8 graph (scale inputs) matches it over 32 greedy steps."""
+    out = tmp_path / "out"
+    convert("builtin:tiny-qwen3-trained-fp8", out, overrides=SMALL)
+    report = verify(out, "builtin:tiny-qwen3-trained-fp8", tokens=32, loader="transformers")
+    assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
+    code, stdout, _ = cli("verify", out, "--reference", "builtin:tiny-qwen3-trained-fp8", "--reference-loader",
+                          "transformers", "--tokens", "4")
+    assert code == 0 and "PASS" in stdout
