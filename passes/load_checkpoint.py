@@ -19,7 +19,7 @@ class LoadCheckpoint:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt = Checkpoint(ctx.source)
-        if ctx.recipe.family != ckpt.arch.name:
+        if ctx.recipe.family not in (ckpt.arch.name, ckpt.arch.recipe):  # MoE families use their dense recipes
             raise RecipeError(
                 f"recipe {ctx.recipe.name or '?'} is for family {ctx.recipe.family!r}, "
                 f"but {ctx.source} is {ckpt.arch.name!r}"

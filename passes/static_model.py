@@ -28,10 +28,12 @@ class BuildStaticModel:
         cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
         shapes = {name: ckpt.shape(name) for name in (*ckpt.names(), *ckpt.quantized)}
         weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
-        model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last").eval()
+        fused = ckpt.fused_experts
+        model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
+                           fused_experts=fused).eval()
         # The first two layers are what export_onnx traces; it clones layer 1 for the rest.
         template = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
-                              layers=min(2, ckpt.dims.layers)).eval()
+                              layers=min(2, ckpt.dims.layers), fused_experts=fused).eval()
         ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
         ws["template_model"] = template
         params = sum(p.numel() for p in model.parameters())

@@ -21,6 +21,7 @@ KEEP_FLOAT = (
     r".*rotary_emb\.inv_freq$",
     r".*rope\.(cos|sin)$",
     r".*mlp\.gate\.weight$",
+    r".*mlp\.shared_expert_gate\.weight$",
     r"^model\.embed_tokens\.weight$",
 )
 
@@ -42,6 +43,12 @@ class ArchSpec:
     quant_targets: tuple[str, ...] = QUANT_TARGETS
     # The demo/test model that `builtin:` builds for this family.
     builtin: str = ""
+    # Mixture of experts: sparse layers route each token to top-k of num_experts MLPs; qwen2_moe
+    # adds a shared expert gated by sigmoid(shared_expert_gate(x)).
+    moe: bool = False
+    shared_expert: bool = False
+    # Bundled recipes `<recipe>-<dtype>` this family converts with (default: its own name).
+    recipe: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,15 @@ class ModelDims:
     rms_eps: float
     tied: bool
     max_positions: int
+    experts: int = 0  # num_experts; 0 for dense models
+    top_k: int = 0  # num_experts_per_tok
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0  # qwen2_moe's shared expert
+    norm_topk_prob: bool = False
+    sparse: tuple[int, ...] = ()  # the layers whose MLP is the MoE block
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse
 
     @property
     def groups(self) -> int:
@@ -78,7 +94,22 @@ class ModelDims:
             )
         if cfg.get("use_sliding_window"):
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported yet")
+        moe: dict[str, Any] = {}
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+        if experts:
+            top_k = int(need("num_experts_per_tok"))
+            if not 1 <= top_k <= experts:
+                raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be between 1 and "
+                                      f"num_experts={experts}")
+            layers = int(need("num_hidden_layers"))
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            moe = {"experts": experts, "top_k": top_k, "moe_intermediate": int(need("moe_intermediate_size")),
+                   "shared_intermediate": int(cfg.get("shared_expert_intermediate_size") or 0),
+                   "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                   "sparse": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)}
         return cls(
+            **moe,
             hidden=hidden,
             layers=int(need("num_hidden_layers")),
             heads=heads,
@@ -92,8 +123,36 @@ class ModelDims:
         )
 
 
-def expected_tensors(arch: ArchSpec, d: ModelDims) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this architecture must hold, with its shape (HF layout)."""
+def expert_tensors(d: ModelDims, p: str, *, fused: bool) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's experts: per expert as published, or fused 3-D as transformers 5 holds them."""
+    e, h, i = d.experts, d.hidden, d.moe_intermediate
+    if fused:
+        return {f"{p}.experts.gate_up_proj": (e, 2 * i, h), f"{p}.experts.down_proj": (e, h, i)}
+    out: dict[str, tuple[int, ...]] = {}
+    for x in range(e):
+        out |= {f"{p}.experts.{x}.gate_proj.weight": (i, h), f"{p}.experts.{x}.up_proj.weight": (i, h),
+                f"{p}.experts.{x}.down_proj.weight": (h, i)}
+    return out
+
+
+def mlp_tensors(arch: ArchSpec, d: ModelDims, layer: int, *, fused: bool) -> dict[str, tuple[int, ...]]:
+    p = f"model.layers.{layer}.mlp"
+    if not d.is_sparse(layer):
+        return {f"{p}.gate_proj.weight": (d.intermediate, d.hidden), f"{p}.up_proj.weight": (d.intermediate, d.hidden),
+                f"{p}.down_proj.weight": (d.hidden, d.intermediate)}
+    out = {f"{p}.gate.weight": (d.experts, d.hidden), **expert_tensors(d, p, fused=fused)}
+    if arch.shared_expert:
+        s = d.shared_intermediate
+        out |= {f"{p}.shared_expert.gate_proj.weight": (s, d.hidden),
+                f"{p}.shared_expert.up_proj.weight": (s, d.hidden),
+                f"{p}.shared_expert.down_proj.weight": (d.hidden, s),
+                f"{p}.shared_expert_gate.weight": (1, d.hidden)}
+    return out
+
+
+def expected_tensors(arch: ArchSpec, d: ModelDims, *, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this architecture must hold, with its shape (HF layout);
+    `fused`: MoE experts as 3-D `gate_up_proj` / `down_proj` instead of one tensor per expert."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
     for i in range(d.layers):
@@ -105,9 +164,7 @@ def expected_tensors(arch: ArchSpec, d: ModelDims) -> dict[str, tuple[int, ...]]
             f"{p}.self_attn.k_proj.weight": (kv, d.hidden),
             f"{p}.self_attn.v_proj.weight": (kv, d.hidden),
             f"{p}.self_attn.o_proj.weight": (d.hidden, q),
-            f"{p}.mlp.gate_proj.weight": (d.intermediate, d.hidden),
-            f"{p}.mlp.up_proj.weight": (d.intermediate, d.hidden),
-            f"{p}.mlp.down_proj.weight": (d.hidden, d.intermediate),
+            **mlp_tensors(arch, d, i, fused=fused),
         }
         if arch.qkv_bias:
             out |= {
@@ -133,6 +190,20 @@ QWEN3 = ARCHS.add(
     dataclasses.replace(
         QWEN2, name="qwen3", model_types=("qwen3",), hf_architectures=("Qwen3ForCausalLM",),
         qkv_bias=False, qk_norm=True, builtin="tiny-qwen3",
+    )
+)
+
+
+QWEN3_MOE = ARCHS.add(
+    dataclasses.replace(
+        QWEN3, name="qwen3_moe", model_types=("qwen3_moe",), hf_architectures=("Qwen3MoeForCausalLM",),
+        moe=True, builtin="tiny-qwen3-moe", recipe="qwen3",
+    )
+)
+QWEN2_MOE = ARCHS.add(
+    dataclasses.replace(
+        QWEN2, name="qwen2_moe", model_types=("qwen2_moe",), hf_architectures=("Qwen2MoeForCausalLM",),
+        moe=True, shared_expert=True, builtin="tiny-qwen2-moe", recipe="qwen2",
     )
 )
 

@@ -137,9 +137,15 @@ class Checkpoint:
         """A tensor (or rows of it) exactly as stored: a quantised weight's int/fp8 storage, not its value."""
         return self._open(self._shard(name)).read(name, rows)
 
+    @cached_property
+    def fused_experts(self) -> bool:
+        """MoE experts stored 3-D (`experts.gate_up_proj`, as transformers 5 holds them) rather than
+        one tensor per expert (as published)."""
+        return any(n.endswith(".mlp.experts.gate_up_proj") for n in self._where)
+
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
         """Check every tensor the architecture needs is present with the config's shape."""
-        want = expected_tensors(self.arch, self.dims)
+        want = expected_tensors(self.arch, self.dims, fused=self.fused_experts)
         for q in self.quantized.values():
             q.validate(self)
         for name, shape in want.items():

@@ -47,7 +47,7 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
         dtype = next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith("dtype=")), "fp32")
         if dtype not in DTYPES:
             raise RecipeError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        recipe = f"{arch.name}-{dtype}"
+        recipe = f"{arch.recipe or arch.name}-{dtype}"
     r = apply_overrides(load_recipe(recipe), overrides)
     return r.resolved(dims.max_positions), dims
 

@@ -1,4 +1,4 @@
-"""The static-shape Qwen forward that gets exported (dense Qwen2 / Qwen3).
+"""The static-shape Qwen forward that gets exported (Qwen2 / Qwen3, dense and MoE).
 
 Signature (DESIGN.md): input_ids int64 [B,T], additive attention_mask [B,1,T,P+T] in the
 compute dtype, position_ids int64 [B,T], and per layer past_key / past_value [B,Nkv,P,D]
@@ -102,13 +102,80 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SparseMoE(nn.Module):
+    """Top-k routed experts with static shapes and no data-dependent control flow.
+
+    The router (never quantised) scores E experts in float32, softmax, top-k (renormalised when
+    `norm_topk_prob`). The experts are two stacked parameters, `gate_up` [E, H, 2I] and `down`
+    [E, I, H], written one expert at a time from either on-disk layout. Then, by call shape:
+
+    - decode (T = 1): Gather the k selected experts' weights ([N, k, H, 2I]) and run only them:
+      memory traffic ∝ k experts, not E;
+    - prefill (T > 1): every expert on every token of the chunk ([E, N, H] @ [E, H, 2I]), outputs
+      weighted by a dense [N, E] routing matrix that is zero off the top-k. Each expert's weights are
+      read once per chunk; the arithmetic is E/k times the routed work (16× for Qwen3-30B-A3B).
+      Gathering per token instead would copy N·k expert matrices per chunk (1,024 for a 128-token
+      chunk at top-8), which costs more memory traffic than reading all 128 experts once.
+    """
+
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str, *, fused: bool) -> None:
+        super().__init__()
+        self.d = d
+        self.gate = Linear(w, f"{p}.gate")
+        h, i = d.hidden, d.moe_intermediate
+        if fused:
+            def gate_up(e: int) -> torch.Tensor:
+                return w.read_rows(f"{p}.experts.gate_up_proj", e, e + 1)[0].T
+
+            def down(e: int) -> torch.Tensor:
+                return w.read_rows(f"{p}.experts.down_proj", e, e + 1)[0].T
+        else:
+            def gate_up(e: int) -> torch.Tensor:
+                return torch.cat((w.read(f"{p}.experts.{e}.gate_proj.weight").T,
+                                  w.read(f"{p}.experts.{e}.up_proj.weight").T), dim=1)
+
+            def down(e: int) -> torch.Tensor:
+                return w.read(f"{p}.experts.{e}.down_proj.weight").T
+        parts = range(d.experts)
+        self.gate_up = w.stacked(f"{p}.experts.gate_up", (h, 2 * i), [lambda e=e: gate_up(e) for e in parts])
+        self.down = w.stacked(f"{p}.experts.down", (i, h), [lambda e=e: down(e) for e in parts])
+        if arch.shared_expert:
+            self.shared_expert = MLP(w, f"{p}.shared_expert")
+            self.shared_expert_gate = Linear(w, f"{p}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        b, t, h = x.shape
+        xf = x.reshape(b * t, h)
+        probs = torch.softmax(self.gate(xf).float(), dim=-1)
+        weight, index = torch.topk(probs, d.top_k, dim=-1)  # [N, k]
+        if d.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        if t == 1:
+            gu = torch.matmul(xf[:, None, None, :], self.gate_up[index])  # [N, k, 1, 2I]
+            g, u = gu.split(d.moe_intermediate, dim=-1)
+            y = torch.matmul(nn.functional.silu(g) * u, self.down[index])  # [N, k, 1, H]
+            out = (y.squeeze(2) * weight[..., None]).sum(dim=1)
+        else:
+            routing = x.new_zeros(b * t, d.experts).scatter(1, index, weight)  # [N, E]
+            gu = torch.matmul(xf[None], self.gate_up)  # [E, N, 2I]
+            g, u = gu.split(d.moe_intermediate, dim=-1)
+            y = torch.matmul(nn.functional.silu(g) * u, self.down)  # [E, N, H]
+            out = (y * routing.T[..., None]).sum(dim=0)
+        if hasattr(self, "shared_expert"):
+            out = out + self.shared_expert(xf) * torch.sigmoid(self.shared_expert_gate(xf))
+        return out.reshape(b, t, h)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str, layer: int = 0, *,
+                 fused: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(w, f"{p}.input_layernorm", d.rms_eps)
         self.self_attn = Attention(arch, d, w, f"{p}.self_attn")
         self.post_attention_layernorm = RMSNorm(w, f"{p}.post_attention_layernorm", d.rms_eps)
-        self.mlp = MLP(w, f"{p}.mlp")
+        self.mlp = SparseMoE(arch, d, w, f"{p}.mlp", fused=fused) if d.is_sparse(layer) else MLP(w, f"{p}.mlp")
 
     def forward(self, x, cos, sin, mask, past_k, past_v):  # type: ignore[no-untyped-def]
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
@@ -125,22 +192,24 @@ class Embedding(nn.Module):
 class Body(nn.Module):
     """`model.*` of the Hugging Face layout."""
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: int) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: int, *, fused: bool = False) -> None:
         super().__init__()
         self.embed_tokens = None if d.tied else Embedding(w, "model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}") for i in range(layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}", i, fused=fused)
+                                    for i in range(layers))
         self.norm = RMSNorm(w, "model.norm", d.rms_eps)
 
 
 class StaticQwen(nn.Module):
-    """Dense Qwen2/Qwen3 with the static forward signature; weights in the compute dtype."""
+    """Qwen2/Qwen3 (dense or MoE) with the static forward signature; weights in the compute dtype."""
 
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
-                 *, logits_last: bool, layers: int | None = None) -> None:
-        """`layers` < d.layers builds only the first ones: the template export_onnx replicates."""
+                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
+        """`layers` < d.layers builds only the first ones: the template export_onnx replicates.
+        `fused_experts`: the checkpoint holds MoE experts 3-D (see arch.expert_tensors)."""
         super().__init__()
         self.d, self.logits_last = d, logits_last
-        self.model = Body(arch, d, w, d.layers if layers is None else layers)
+        self.model = Body(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
         # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head.
         self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
         # RoPE tables stay float32 constants whatever the compute dtype (see rope.py).

@@ -37,6 +37,15 @@ class Weights:
         self.constants: dict[str, torch.Tensor] = {}
         # Initializers a later pass derives from the checkpoint (int4 storage, scales): name → producer.
         self.derived: dict[str, Callable[[], torch.Tensor]] = {}
+        # Virtual [E, ...] tensors stacked from per-expert pieces (MoE), each produced on its own.
+        self.stacks: dict[str, list[Callable[[], torch.Tensor]]] = {}
+
+    def stacked(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> nn.Parameter:
+        """A parameter [len(parts), *shape] whose slice e is `parts[e]()`: written one piece at a
+        time, so an expert stack never has to be in memory whole."""
+        self.shapes[name] = (len(parts), *shape)
+        self.stacks[name] = parts
+        return self.param(name)
 
     def param(self, name: str, *, transpose: bool = False) -> nn.Parameter:
         ref = WeightRef(name, transpose)
@@ -64,6 +73,10 @@ class Weights:
         if ref.source in self.derived:  # already in its stored form and dtype
             yield 0, 0, self.derived[ref.source]().contiguous()
             return
+        if ref.source in self.stacks:  # one expert at a time: slice e of the output
+            for e, part in enumerate(self.stacks[ref.source]):
+                yield 0, e, part().to(self.dtype).contiguous()
+            return
         shape = self.shapes[ref.source]
         itemsize = torch.finfo(self.dtype).bits // 8
         rows = shape[0] if shape else 1
@@ -83,6 +96,8 @@ class Weights:
     def materialize(self, ref: WeightRef) -> torch.Tensor:
         if ref.source in self.derived:
             return self.derived[ref.source]()
+        if ref.source in self.stacks:
+            return torch.stack([part().to(self.dtype) for part in self.stacks[ref.source]])
         t = self.read(ref.source).to(self.dtype)
         return t.T.contiguous() if ref.transpose else t
 

@@ -20,7 +20,8 @@ def static_from_hf(model: torch.nn.Module, capacity: int, *, lazy: bool = False)
     weights = Weights(sd.__getitem__, {k: tuple(v.shape) for k, v in sd.items()}, torch.float32, lazy=lazy)
     cos, sin = rope_tables(cfg, capacity)
     arch, dims = ARCHS.get(cfg["model_type"]), ModelDims.from_config(cfg)
-    return StaticQwen(arch, dims, weights, cos, sin, logits_last=False).eval(), weights
+    fused = any(k.endswith(".experts.gate_up_proj") for k in sd)  # MoE as transformers holds it in memory
+    return StaticQwen(arch, dims, weights, cos, sin, logits_last=False, fused_experts=fused).eval(), weights
 
 
 @pytest.mark.parametrize("name", list(TINY))

@@ -1,0 +1,187 @@
+"""Mixture of experts (qwen3_moe, qwen2_moe): static routing that is right for every routing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwen2om.checkpoint import Checkpoint
+from qwen2om.convert import convert
+from qwen2om.verify import verify
+
+SMALL = ["max_seq_len=256", "prefill_chunk=32"]
+INDEX = "model.safetensors.index.json"
+REPEATED = "the " * 24  # identical tokens: identical router inputs in layer 0
+VARIED = ("MoE routing test: def main(argv): return sum(x ** 2 for x in argv) # 数学 über café, "
+          "JSON {\"a\": [1, 2.5, null]} <html><body>Привет</body></html> SELECT * FROM t WHERE id = 42;")
+
+
+class Router:
+    """transformers' own routing: per layer, per position, the set of experts a text is sent to."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+        self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt_dir / "tokenizer.json"))
+        self.experts = self.model.config.num_experts
+
+    def __call__(self, text: str) -> list[list[set[int]]]:
+        chosen: list[list[set[int]]] = []
+        hooks = [layer.mlp.gate.register_forward_hook(
+            lambda m, a, out: chosen.append([set(r.tolist()) for r in out[2]])) for layer in self.model.model.layers]
+        with torch.no_grad():
+            self.model(torch.tensor([self.tok.encode(text)]))
+        for h in hooks:
+            h.remove()
+        return chosen
+
+    def coverage(self, text: str) -> list[int]:
+        return [len(set().union(*layer)) for layer in self(text)]
+
+    def every_expert_prompt(self, budget: int = 200) -> str:
+        """Sentences of CPython's docs appended, in order, while they reach experts not yet hit in
+        some layer, until every layer has used every expert. Random tiny routers favour a few
+        experts in deep layers, so no fixed sentence does this; the search is deterministic."""
+        from qwen2om.datasets import prose_docs
+
+        text = VARIED
+        for doc in prose_docs():
+            for sentence in doc.split(". "):
+                if min(self.coverage(text)) == self.experts:
+                    return text
+                longer = f"{text} {sentence.strip()}."
+                if len(self.tok.encode(longer)) > budget:
+                    continue
+                if sum(self.coverage(longer)) > sum(self.coverage(text)):
+                    text = longer
+        raise AssertionError(f"no prompt under {budget} tokens reaches every expert: {self.coverage(text)}")
+
+
+@pytest.fixture(scope="module")
+def moe_out(tmp_path_factory) -> dict[str, Path]:
+    outs = {}
+    for name in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
+        outs[name] = tmp_path_factory.mktemp("moe") / name
+        convert(f"builtin:{name}", outs[name], overrides=SMALL)
+    return outs
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
+def test_verify_moe(moe_out, checkpoint, name: str) -> None:
+    router = Router(checkpoint(name))
+    every = router.every_expert_prompt()
+    assert router.coverage(every) == [router.experts] * len(router.model.model.layers)
+    same = router(REPEATED)[0]
+    assert len({frozenset(s) for s in same[1:]}) == 1, "identical tokens route identically in layer 0"
+    report = verify(moe_out[name], f"builtin:{name}", tokens=32, prompts=[every, REPEATED])
+    assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
+    assert all(p.steps == 32 for p in report.prompts) and report.prompts[0].prompt_tokens > 32  # two chunks
+
+
+def test_moe_graphs_are_static(moe_out) -> None:
+    for kind in ("decode", "prefill"):
+        model = onnx.load(moe_out["tiny-qwen3-moe"] / f"model.{kind}.onnx", load_external_data=False)
+        ops = {n.op_type for n in model.graph.node}
+        assert not ops & {"NonZero", "Loop", "If", "Scan"}, kind
+        assert "TopK" in ops
+        stacked = [i for i in model.graph.initializer if i.name.endswith("mlp.gate_up")]
+        assert len(stacked) == 4 and list(stacked[0].dims) == [8, 64, 64]  # [E, H, 2I], one per layer
+
+
+def fused_copy(src: Path, dest: Path) -> Path:
+    """The same checkpoint with experts stored 3-D, as transformers 5 holds them in memory."""
+    shutil.copytree(src, dest)
+    index = json.loads((dest / INDEX).read_text())
+    cfg = json.loads((dest / "config.json").read_text())
+    n, layers = cfg["num_local_experts"], cfg["num_hidden_layers"]
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(dest / shard)
+        for layer in range(layers):
+            p = f"model.layers.{layer}.mlp.experts"
+            if f"{p}.0.gate_proj.weight" not in tensors:
+                continue
+            gate_up = [torch.cat((tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")))
+                       for e in range(n)]
+            tensors[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+            tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(n)])
+        save_file(tensors, dest / shard, metadata={"format": "pt"})
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard} | {k: shard for k in tensors}
+    (dest / INDEX).write_text(json.dumps(index))
+    return dest
+
+
+def test_fused_expert_layout(checkpoint, tmp_path: Path) -> None:
+    src = fused_copy(checkpoint("tiny-qwen3-moe"), tmp_path / "fused")
+    ckpt = Checkpoint(src)
+    assert ckpt.fused_experts and "model.layers.0.mlp.experts.gate_up_proj" in ckpt.names()
+    out = tmp_path / "out"
+    convert(src, out, overrides=SMALL)
+    report = verify(out, "builtin:tiny-qwen3-moe", tokens=16, prompts=[VARIED])  # reference: per-expert layout
+    assert report.passed and report.max_abs <= 1e-4
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def moe_ckpt(checkpoint, tmp_path: Path) -> Path:
+    dest = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("tiny-qwen3-moe"), dest)
+    return dest
+
+
+def edit(ckpt: Path, tensor: str, change) -> None:
+    index = json.loads((ckpt / INDEX).read_text())
+    shard = ckpt / index["weight_map"][tensor]
+    tensors = load_file(shard)
+    new = change(tensors[tensor])
+    if new is None:
+        del tensors[tensor]
+        del index["weight_map"][tensor]
+        (ckpt / INDEX).write_text(json.dumps(index))
+    else:
+        tensors[tensor] = new
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def convert_fails(cli, ckpt: Path, tmp_path: Path, *needles: str) -> None:
+    out = tmp_path / "out"
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
+    assert code != 0 and "Traceback" not in err
+    flat = " ".join(err.split())
+    for needle in needles:
+        assert needle in flat, err
+    assert not out.exists()
+
+
+def test_top_k_above_experts(cli, moe_ckpt: Path, tmp_path: Path) -> None:
+    cfg = json.loads((moe_ckpt / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 9
+    (moe_ckpt / "config.json").write_text(json.dumps(cfg))
+    convert_fails(cli, moe_ckpt, tmp_path, "num_experts_per_tok=9", "num_experts=8")
+
+
+def test_missing_expert(cli, moe_ckpt: Path, tmp_path: Path) -> None:
+    edit(moe_ckpt, "model.layers.2.mlp.experts.5.up_proj.weight", lambda t: None)
+    convert_fails(cli, moe_ckpt, tmp_path, "model.layers.2.mlp.experts.5.up_proj.weight", "missing")
+
+
+def test_inconsistent_expert_shape(cli, moe_ckpt: Path, tmp_path: Path) -> None:
+    edit(moe_ckpt, "model.layers.1.mlp.experts.3.down_proj.weight", lambda t: t[:, :16].contiguous())
+    convert_fails(cli, moe_ckpt, tmp_path, "model.layers.1.mlp.experts.3.down_proj.weight", "[64, 16]", "[64, 32]")
+
+
+def test_router_nan(cli, moe_ckpt: Path, tmp_path: Path) -> None:
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[4, 7] = float("nan")
+        return t
+
+    edit(moe_ckpt, "model.layers.0.mlp.gate.weight", poison)
+    convert_fails(cli, moe_ckpt, tmp_path, "model.layers.0.mlp.gate.weight", "non-finite")
