@@ -20,7 +20,8 @@ def cache_root() -> Path:
 # FP8 builtins: a float builtin quantised by the fixture generator (Hugging Face fine-grained
 # format, 128×128 tiles, bf16 scales as in Qwen3-*-FP8). tiny-qwen3's 64/160-wide weights make
 # every tile ragged; the trained model's are all multiples of 128 (what transformers loads right).
-FP8_BUILTINS = {"tiny-qwen3-fp8": "tiny-qwen3", "tiny-qwen3-trained-fp8": "tiny-qwen3-trained"}
+FP8_BUILTINS = {"tiny-qwen3-fp8": "tiny-qwen3", "tiny-qwen3-trained-fp8": "tiny-qwen3-trained",
+                "tiny-qwen3-moe-fp8": "tiny-qwen3-moe"}
 
 
 def builtin_names() -> list[str]:

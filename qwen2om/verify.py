@@ -130,6 +130,7 @@ def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = set(model.state_dict())
     state = {n: ckpt.get(n, torch.float32) for n in names if n in ckpt or n in ckpt.quantized}
+    state |= {n: fused_experts(ckpt, n) for n in names - set(state) if n.endswith(FUSED) and not ckpt.fused_experts}
     missing = model.load_state_dict(state, strict=False).missing_keys
     if set(missing) - {"lm_head.weight"}:
         raise Qwen2omError(f"{ref_dir}: the reference lacks {sorted(missing)[:3]}")
@@ -137,6 +138,19 @@ def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
         model.tie_weights()
     ckpt.close()
     return model.eval()
+
+
+FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def fused_experts(ckpt: Any, name: str) -> torch.Tensor:
+    """transformers 5's in-memory 3-D expert tensor `name`, assembled from per-expert weights."""
+    p = name.rsplit(".", 1)[0]
+    n = ckpt.dims.experts
+    if name.endswith("gate_up_proj"):
+        return torch.stack([torch.cat((ckpt.get(f"{p}.{e}.gate_proj.weight", torch.float32),
+                                       ckpt.get(f"{p}.{e}.up_proj.weight", torch.float32))) for e in range(n)])
+    return torch.stack([ckpt.get(f"{p}.{e}.down_proj.weight", torch.float32) for e in range(n)])
 
 
 def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:

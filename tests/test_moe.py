@@ -185,3 +185,19 @@ def test_router_nan(cli, moe_ckpt: Path, tmp_path: Path) -> None:
 
     edit(moe_ckpt, "model.layers.0.mlp.gate.weight", poison)
     convert_fails(cli, moe_ckpt, tmp_path, "model.layers.0.mlp.gate.weight", "non-finite")
+
+
+def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> None:
+    """The FP8 fixture generator's MoE layout (Qwen3-30B-A3B-FP8's): every expert its own e4m3fn
+    weight and scale grid, routers float and listed in modules_to_not_convert."""
+    src = checkpoint("tiny-qwen3-moe-fp8")
+    ckpt = Checkpoint(src)
+    qc = ckpt.config["quantization_config"]
+    assert qc["modules_to_not_convert"][:2] == ["lm_head", "model.layers.0.mlp.gate"]
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in ckpt.quantized
+    assert "model.layers.0.mlp.gate.weight" not in ckpt.quantized
+    assert ckpt.info("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
+    out = tmp_path / "out"
+    convert(src, out, overrides=SMALL)
+    report = verify(out, src, tokens=32, prompts=[VARIED])
+    assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
