@@ -215,7 +215,7 @@ def verify(
     out_console.print(table)
     tol = report.tolerance
     limits = (f"max |Δlogits| ≤ {tol['max_abs']:g}, " if tol["max_abs"] is not None else "") + \
-        f"top-1 agreement ≥ {tol['agreement']:.0%}"
+        f"top-1 agreement ≥ {tol['agreement']:.0%}" + (f"; {tol['why']}" if tol.get("why") else "")
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
     out_console.print(f"{verdict}: max |Δlogits| {report.max_abs:.2e}, top-1 agreement {report.agreement:.1%} "
                       f"(tolerance: {limits})")
