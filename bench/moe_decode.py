@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""MoE decode benchmark: qwen2om (ONNX Runtime, fp32) against transformers on Qwen3-30B-A3B shapes.
+
+What it does (artefacts cached under `--workdir`):
+
+1. a synthetic bf16 checkpoint of the `qwen3-30b-a3b` preset (`decode.ensure_checkpoint`: random
+   weights, published shapes: hidden 2048, 32 query / 4 K/V heads, 128 experts, top-8, expert
+   intermediate 768, vocabulary 151,936, untied LM head) with its layer count cut to `--layers`
+   (default 2: one fp32 copy of the 48-layer model is ~114 GiB; 2 layers are 7.0 GiB);
+2. `qwen2om convert CKPT -o OUT --set max_seq_len=P --set prefill_chunk=T` in a child process:
+   its wall time and peak RSS (`wait4`, that child only);
+3. each runtime timed in a fresh child process on the same prompt ids, greedy, EOS ignored, one
+   warm-up and the median of `--runs`, with the child's peak RSS:
+   - qwen2om `Engine(out, threads=N).generate(...)`: prefill ms (time to first token) and decode
+     tok/s = (N − 1) / decode wall time (`decode.bench_qwen2om`);
+   - transformers `AutoModelForCausalLM` float32, `attn_implementation="eager"` and
+     `experts_implementation="eager"` (the per-expert loop of the modelling file): prefill ms =
+     `generate(max_new_tokens=1)`, decode tok/s = (N − 1) / (t_N − t_1); optionally also the
+     library defaults (`--transformers eager,default`: sdpa attention, `grouped_mm` experts);
+4. the greedy tokens of every runtime compared with qwen2om's; the 1-minute load average at the
+   start of every timing (the machine is shared);
+5. a markdown table and the facts (`--json PATH` for every number).
+
+int4 is not measured: `calibrate` does not quantise MoE experts yet (issue 6 item 3), so its row
+says so rather than timing a model whose experts are still fp32.
+
+    .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_prompt, median_of, run_child
+
+PRESET = "qwen3-30b-a3b"
+FP32 = 4
+INT4_NOTE = "not yet: experts are not quantised (issue 6 item 3)"
+# transformers configurations by name: (attn_implementation, experts_implementation); None = library default
+TRANSFORMERS = {"eager": ("eager", "eager"), "default": (None, None)}
+
+
+@dataclasses.dataclass
+class Timing:
+    """One runtime's numbers; `error` is set (and the numbers are None) when its child failed."""
+
+    name: str
+    decode_tps: float | None = None
+    prefill_ms: float | None = None
+    load_s: float | None = None
+    peak_rss_bytes: int = 0
+    loadavg_1m: float = 0.0
+    wall_s: float = 0.0
+    note: str = ""
+    error: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+# -- children ---------------------------------------------------------------------------------
+def child_qwen2om(spec: dict[str, Any]) -> Timing:
+    t0 = time.perf_counter()
+    from qwen2om.runtime.standalone import Engine
+
+    Engine(Path(spec["out"]), threads=spec["threads"])  # session load alone, timed once
+    load = time.perf_counter() - t0
+    row, _ = bench_qwen2om(Path(spec["out"]), spec["ids"], spec["new_tokens"], spec["threads"], spec["runs"])
+    return Timing("qwen2om ORT fp32", row.decode_tps, row.ttft_ms, load, tokens=row.tokens)
+
+
+def child_transformers(spec: dict[str, Any]) -> Timing:
+    """`decode.bench_transformers` with the experts implementation chosen too (transformers 5
+    defaults to `grouped_mm` experts and sdpa attention)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(spec["threads"])
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    attn, experts = TRANSFORMERS[spec["config"]]
+    kw = {k: v for k, v in (("attn_implementation", attn), ("experts_implementation", experts)) if v}
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32, **kw).eval()
+    load = time.perf_counter() - t0
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.eos_token_id)
+    ids, n = spec["ids"], spec["new_tokens"]
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    last: list[int] = []
+
+    def timed(k: int) -> float:
+        nonlocal last
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=k,
+                                 min_new_tokens=k)
+        dt = time.perf_counter() - t
+        if out.shape[1] != len(ids) + k:
+            raise SystemExit(f"transformers generated {out.shape[1] - len(ids)} tokens, expected {k}")
+        last = out[0, len(ids):].tolist()
+        return dt
+
+    t1 = median_of(spec["runs"], lambda: timed(1))
+    tn = median_of(spec["runs"], lambda: timed(n))
+    tps = (n - 1) / (tn - t1) if tn > t1 else None
+    impl = (f"attention {model.config._attn_implementation}, experts "
+            f"{model.config._experts_implementation}")
+    return Timing(f"transformers {spec['config']}", tps, t1 * 1000, load, note=impl, tokens=last)
+
+
+def child_main(spec_json: str) -> int:
+    """`--child SPEC`: time one runtime; the Timing (or the error) goes to spec["result"]."""
+    spec = json.loads(spec_json)
+    try:
+        t = child_qwen2om(spec) if spec["kind"] == "qwen2om" else child_transformers(spec)
+    except Exception as exc:  # recorded in the table; the other runtimes still get measured
+        t = Timing(spec["name"], error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(t)))
+    return 0
+
+
+def time_in_child(spec: dict[str, Any]) -> Timing:
+    loadavg = os.getloadavg()[0]
+    print(f"timing {spec['name']} (1-min load average {loadavg:.2f}) ...", file=sys.stderr, flush=True)
+    child = run_child([sys.executable, __file__, "--child", json.dumps(spec)])
+    result = Path(spec["result"])
+    if child.returncode or not result.is_file():
+        t = Timing(spec["name"], error=f"child exited {child.returncode}")
+    else:
+        t = Timing(**json.loads(result.read_text()))
+    t.peak_rss_bytes, t.loadavg_1m, t.wall_s = child.peak_rss_bytes, loadavg, child.wall_s
+    return t
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MoeFacts:
+    """Sizes and work of the MoE layers, from config.json (fp32 bytes)."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    moe_intermediate: int
+    layers: int
+    vocab: int
+    attn_params: int  # q, k, v, o of one layer
+
+    @property
+    def expert_bytes(self) -> int:  # gate + up + down of one expert
+        return 3 * self.hidden * self.moe_intermediate * FP32
+
+    @property
+    def gate_up_stack_bytes(self) -> int:  # [E, H, 2I]
+        return self.experts * self.hidden * 2 * self.moe_intermediate * FP32
+
+    @property
+    def down_stack_bytes(self) -> int:  # [E, I, H]
+        return self.experts * self.moe_intermediate * self.hidden * FP32
+
+    def decode_bytes(self) -> dict[str, int]:
+        """Weights one decode step reads (not counted: K/V cache, norms, router, embedding row)."""
+        return {"routed experts": self.layers * self.top_k * self.expert_bytes,
+                "attention": self.layers * self.attn_params * FP32,
+                "lm_head": self.vocab * self.hidden * FP32}
+
+    def prefill_gflop(self, t: int) -> tuple[float, float]:
+        """(dense formulation, routed work) GFLOP of the experts for one chunk of `t` tokens, all layers."""
+        per_expert_token = 2 * 3 * self.hidden * self.moe_intermediate
+        return (self.layers * self.experts * t * per_expert_token / 1e9,
+                self.layers * self.top_k * t * per_expert_token / 1e9)
+
+
+def moe_facts(ckpt: Path) -> MoeFacts:
+    c = json.loads((ckpt / "config.json").read_text())
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    return MoeFacts(c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"],
+                    c["num_hidden_layers"], c["vocab_size"], 2 * c["hidden_size"] * (q + kv))
+
+
+# -- report -----------------------------------------------------------------------------------
+def fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def table(rows: list[Timing], ref: list[int]) -> str:
+    base = next((r.decode_tps for r in rows if r.name == "transformers eager" and r.decode_tps), None)
+    lines = ["| | decode tok/s | prefill ms | vs transformers eager | peak RSS GiB | load avg (1 min) "
+             "| greedy tokens = qwen2om |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        name = f"{r.name} ({r.note})" if r.note and not r.error else r.name
+        if r.error or r.decode_tps is None:
+            rss = r.peak_rss_bytes / 2**30 if r.peak_rss_bytes else None
+            load = fmt(r.loadavg_1m or None, ".2f")
+            lines.append(f"| {r.name} | {r.error or r.note} | | | {fmt(rss, '.2f')} | {load} | |")
+            continue
+        vs = f"{r.decode_tps / base:.2f}×" if base else "—"
+        same = "—" if r.name.startswith("qwen2om") else \
+            f"{sum(a == b for a, b in zip(r.tokens, ref, strict=False))}/{len(ref)}"
+        lines.append(f"| {name} | {r.decode_tps:.2f} | {fmt(r.prefill_ms, ',.0f')} | {vs} | "
+                     f"{r.peak_rss_bytes / 2**30:.2f} | {r.loadavg_1m:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B shapes (48 published)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (128 = one prefill chunk)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--max-seq-len", type=int, default=512, help="compiled KV cache capacity P")
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="T of the prefill graph")
+    ap.add_argument("--threads", type=int, default=0, help="ORT and torch intra-op threads (0: all cores)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    ap.add_argument("--transformers", default="eager",
+                    help="comma-separated transformers configurations: eager, default (empty: none)")
+    ap.add_argument("--reuse-conversion", action="store_true", help="keep an existing conversion (not timed)")
+    ap.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child is None:
+        if a.new_tokens < 2:
+            ap.error("--new-tokens must be at least 2 (decode speed is measured over N - 1 steps)")
+        if a.prompt_tokens + a.new_tokens > a.max_seq_len:
+            ap.error("--prompt-tokens + --new-tokens must fit --max-seq-len")
+        if unknown := [c for c in a.transformers.split(",") if c and c not in TRANSFORMERS]:
+            ap.error(f"unknown transformers configuration {unknown} (known: {', '.join(TRANSFORMERS)})")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.child:
+        return child_main(a.child)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = a.threads or cores
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    ckpt, writer = ensure_checkpoint(a.workdir, PRESET, a.layers, a.seed)
+    work = a.workdir / "moe"
+    work.mkdir(exist_ok=True)
+    out = work / f"onnx-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
+
+    conv = None
+    if not (a.reuse_conversion and (out / "manifest.json").is_file()):
+        cmd = ["convert", str(ckpt), "-o", str(out), "--set", f"max_seq_len={a.max_seq_len}",
+               "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]
+        print(f"$ qwen2om {' '.join(cmd)} (1-min load average {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+        conv = run_child([sys.executable, "-m", "qwen2om", *cmd])
+        if conv.returncode:
+            raise SystemExit(f"conversion failed (exit {conv.returncode})")
+    onnx_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+
+    ids = make_prompt(ckpt / "tokenizer.json", a.prompt_tokens)
+    common = {"ids": ids, "new_tokens": a.new_tokens, "runs": a.runs, "threads": threads}
+    rows = [time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT fp32", "out": str(out),
+                           "result": str(work / "timing-qwen2om.json")})]
+    rows.append(Timing("qwen2om ORT int4", note=INT4_NOTE))
+    for cfg in filter(None, a.transformers.split(",")):
+        rows.append(time_in_child({**common, "kind": "transformers", "name": f"transformers {cfg}", "config": cfg,
+                                   "ckpt": str(ckpt), "result": str(work / f"timing-transformers-{cfg}.json")}))
+    ref = rows[0].tokens
+
+    f = moe_facts(ckpt)
+    dense, routed = f.prefill_gflop(a.prefill_chunk)
+    need = f.decode_bytes()
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    print(f"\n## {PRESET} shapes, {f.layers} of 48 layers, prompt {a.prompt_tokens} tokens, {a.new_tokens} new "
+          f"tokens, P={a.max_seq_len}, T={a.prefill_chunk}, {threads} threads, median of {a.runs}\n")
+    print(table(rows, ref))
+    print()
+    facts = [
+        "conversion (`qwen2om convert`, fp32): "
+        + (f"{conv.wall_s:.1f} s wall incl. imports, peak RSS {gib(conv.peak_rss_bytes)}"
+           if conv else "reused (not timed)")
+        + f"; output {gib(onnx_bytes)} on disk",
+        f"checkpoint: {ckpt.name}, {gib(sum(p.stat().st_size for p in ckpt.glob('*.safetensors')))} bf16"
+        + (f", written in {writer.wall_s:.1f} s (writer peak RSS {gib(writer.peak_rss_bytes)})" if writer else ""),
+        f"expert stacks per layer (fp32): gate_up [{f.experts}, {f.hidden}, {2 * f.moe_intermediate}] "
+        f"{gib(f.gate_up_stack_bytes)} + down [{f.experts}, {f.moe_intermediate}, {f.hidden}] "
+        f"{gib(f.down_stack_bytes)} = {gib(f.gate_up_stack_bytes + f.down_stack_bytes)}; one expert "
+        f"{f.expert_bytes / 2**20:.1f} MiB; 48 layers: {gib(48 * (f.gate_up_stack_bytes + f.down_stack_bytes))}",
+        "weights one decode step reads (fp32): " + ", ".join(f"{k} {gib(v)}" for k, v in need.items())
+        + f" = {gib(sum(need.values()))} (K/V cache, router, norms not counted)",
+        f"prefill, experts of one {a.prefill_chunk}-token chunk: dense formulation {dense:.1f} GFLOP vs routed "
+        f"work {routed:.1f} GFLOP = E/k = {f.experts}/{f.top_k} = {dense / routed:.0f}x",
+    ]
+    for r in rows[2:]:
+        if r.tokens:
+            facts.append(f"greedy agreement qwen2om vs {r.name}: {agreement(ref, r.tokens)}, "
+                         f"{sum(x == y for x, y in zip(ref, r.tokens, strict=False))}/{len(ref)} positions equal")
+    facts += [
+        "session / model load s: " + ", ".join(f"{r.name} {r.load_s:.1f}" for r in rows if r.load_s is not None),
+        f"onnxruntime {ort.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{cores} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}; "
+        "shared machine: the load average column is the 1-minute average when each timing started",
+    ]
+    print("\n".join(f"- {x}" for x in facts))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "rows": [dataclasses.asdict(r) for r in rows],
+            "conversion": dataclasses.asdict(conv) if conv else None,
+            "onnx_bytes": onnx_bytes,
+            "facts": {**dataclasses.asdict(f), "decode_bytes": need, "prefill_gflop_dense": dense,
+                      "prefill_gflop_routed": routed},
+            "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "threads": threads, "cores": cores,
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
