@@ -25,7 +25,9 @@ KEEP_FLOAT = (
     r"^model\.embed_tokens\.weight$",
 )
 
-QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",)
+QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",
+                 # MoE: every expert on its own (per-expert layout), and qwen2_moe's shared expert
+                 r"^model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
 LM_HEAD = "lm_head.weight"
 
 

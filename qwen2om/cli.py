@@ -291,6 +291,10 @@ def calibrate(
         table.add_row(str(layer["layer"]), f"{layer['seconds']:.2f}", str(len(layer["linears"])),
                       "-" if rtn_e is None else f"{rtn_e:.2e}", "-" if err_e is None else f"{err_e:.2e}")
     out_console.print(table)
+    starved = [f"layer {x['layer']}: {', '.join(map(str, x['experts']['rtn_experts']))}" for x in r["layers"]
+               if x.get("experts", {}).get("rtn_experts")]
+    if starved:
+        out_console.print("experts with too few calibration tokens, quantised by RTN: " + "; ".join(starved))
     ds = r["dataset"]
     if ds:
         out_console.print(f"{ds['samples']} samples × {ds['seq_len']} tokens from {ds['source']}")

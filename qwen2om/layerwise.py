@@ -116,7 +116,8 @@ class LayerRunner:
 
     def layer(self, index: int) -> DecoderLayer:
         """Decoder layer `index` with its real weights (and only its weights) loaded."""
-        return DecoderLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}").eval()
+        return DecoderLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
+                            fused=self.ckpt.fused_experts).eval()
 
     def run_layer(self, index: int, store: ActivationStore,
                   hook: Callable[[DecoderLayer, LayerInputs], None] | None = None) -> ActivationStore:

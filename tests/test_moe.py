@@ -201,3 +201,61 @@ def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> No
     convert(src, out, overrides=SMALL)
     report = verify(out, src, tokens=32, prompts=[VARIED])
     assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
+
+
+# -- quantised experts ----------------------------------------------------------------------------
+
+CAL = ["--dataset", "builtin:prose", "--num-samples", "16", "--seq-len", "128", "--group-size", "32"]
+
+
+def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
+    ckpt_dir, out = tmp_path / "w4", tmp_path / "out"
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3-moe", "-o", ckpt_dir, *CAL)
+    assert code == 0, err
+    ckpt = Checkpoint(ckpt_dir)
+    assert len(ckpt.quantized) == 4 * (4 + 8 * 3)  # q/k/v/o and each expert's gate/up/down, per layer
+    assert not [n for n in ckpt.quantized if n.endswith("mlp.gate.weight")]  # routers stay float
+    report = json.loads((ckpt_dir / "calibration_report.json").read_text())
+    for layer in report["layers"]:
+        assert sum(layer["experts"]["tokens"]) == 2 * layer["experts"]["total"]  # top-2
+        assert layer["experts"]["rtn_experts"] == []
+    convert(ckpt_dir, out, overrides=SMALL)
+    report = verify(out, ckpt_dir, tokens=16, prompts=[VARIED])
+    assert report.passed and report.max_abs <= 1e-4
+    code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
+                            "--json")
+    assert code == 0, err
+    agree = json.loads(stdout)
+    assert 0 < agree["mean_kl"] < 1 and 0 < agree["top1_agreement"] <= 1
+
+
+def test_skewed_routing_falls_back_to_rtn(cli, tmp_path: Path) -> None:
+    """Starved experts see no calibration token: RTN for them, named in the report and on screen."""
+    ckpt_dir = tmp_path / "w4"
+    code, stdout, err = cli("calibrate", "builtin:tiny-qwen3-moe-skewed", "-o", ckpt_dir, *CAL)
+    assert code == 0, err
+    assert "quantised by RTN: layer 0: 6, 7; layer 1: 6, 7" in " ".join(stdout.split())
+    report = json.loads((ckpt_dir / "calibration_report.json").read_text())
+    for layer in report["layers"]:
+        assert layer["experts"]["tokens"][6:] == [0, 0] and layer["experts"]["rtn_experts"] == [6, 7]
+    fell = {r["name"]: r for layer in report["layers"] for r in layer["linears"] if r["method"] == "rtn"}
+    assert len(fell) == 2 * 2 * 3
+    assert "received 0 of 2048" in fell["model.layers.1.mlp.experts.7.up_proj.weight"]["note"]
+    assert len(Checkpoint(ckpt_dir).quantized) == 2 * (4 + 8 * 3)
+    out = tmp_path / "out"
+    convert(ckpt_dir, out, overrides=SMALL)
+    assert verify(out, ckpt_dir, tokens=8, prompts=[VARIED]).passed
+
+
+def test_fp8_block_moe(cli, tmp_path: Path) -> None:
+    ckpt_dir, out = tmp_path / "fp8", tmp_path / "out"
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3-moe", "-o", ckpt_dir, "--scheme", "fp8-block")
+    assert code == 0, err
+    ckpt = Checkpoint(ckpt_dir)
+    assert len(ckpt.quantized) == 4 * (4 + 8 * 3) and "model.layers.0.mlp.gate.weight" not in ckpt.quantized
+    assert ckpt.config["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+    convert(ckpt_dir, out, overrides=SMALL)
+    assert verify(out, ckpt_dir, tokens=16, prompts=[VARIED]).passed
+    code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
+                            "--json")
+    assert code == 0 and json.loads(stdout)["mean_kl"] < 0.05, err

@@ -35,6 +35,7 @@ from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
+from qwen2om.quant.experts import EXPERT, ExpertStats, quantize_experts
 from qwen2om.quant.gptq import GPTQResult, gptq, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
@@ -156,6 +157,7 @@ class Calibrator:
         self.spec = Int4Spec(cfg.group_size, cfg.symmetric)
         self.reports: list[LinearReport] = []
         self.rtn_before: dict[str, float] = {}
+        self.experts: dict[int, dict[str, Any]] = {}  # MoE layer → tokens per expert, RTN fallbacks
         self.layer_seconds: list[float] = []
 
     def targets(self) -> list[str]:
@@ -196,7 +198,8 @@ class Calibrator:
             raise CalibrationError(f"{name}: {bad} non-finite values (NaN/Inf) in the weight; nothing was written")
         return w
 
-    def quantize_rtn(self, name: str) -> None:
+    def quantize_rtn(self, name: str, note: str = "") -> torch.Tensor:
+        """Round-to-nearest one weight (data-free); returns its dequantised value."""
         src = self.source(name)
         dtype = self.ckpt.info(src).dtype
         w = self.finite(src, self.ckpt.get(src, torch.float32))
@@ -205,7 +208,10 @@ class Calibrator:
         q = quantize(w, scale, zp, self.spec.group)
         for k, v in packed(name, q, scale, zp, self.spec, dtype, self.cfg.fmt).items():
             self.writer.add(k, v)
-        self.reports.append(LinearReport(name, "rtn", None, None))
+        self.reports.append(LinearReport(name, "rtn", None, None, note))
+        if note:
+            self.log(f"{name}: RTN: {note}")
+        return dequantize(q, scale, None if self.spec.symmetric else zp, self.spec.group)
 
     def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
@@ -275,13 +281,19 @@ class Calibrator:
         inputs (computed by the quantised layer) and the float tensors AWQ changed, already written."""
         layer = runner.layer(index)
         prefix = f"model.layers.{index}."
+        experts = [n for n in names if EXPERT.match(n)]
+        names = [n for n in names if n not in experts]
         linears = {f"{prefix}{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
         missing = [n for n in names if n not in linears]
         if missing:
             raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
         for n in names:
             self.finite(n, linears[n].weight.data)
-        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names})
+        stats = ExpertStats(layer.mlp) if experts else None
+        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names}, stats)
+        if stats is not None:
+            self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.quantize_hessian,
+                                                   self.quantize_rtn)
         changed: list[str] = []
         if self.cfg.method == "awq":
             changed = self.awq_scale(layer, prefix, linears, names, hess, x_abs)
@@ -311,8 +323,10 @@ class Calibrator:
             yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
 
     def collect(self, runner: LayerRunner, layer: torch.nn.Module, index: int, store: ActivationStore,
-                linears: dict[str, Linear]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """One pass over the samples: each linear's input Hessian mean(2xxᵀ) and mean |x| per channel."""
+                linears: dict[str, Linear], experts: ExpertStats | None = None,
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One pass over the samples: each linear's input Hessian mean(2xxᵀ) and mean |x| per channel
+        (and, for an MoE layer, each expert's from the tokens routed to it)."""
         hess = {n: torch.zeros(m.weight.shape[0], m.weight.shape[0]) for n, m in linears.items()}
         x_abs = {n: torch.zeros(m.weight.shape[0]) for n, m in linears.items()}
         seen = dict.fromkeys(linears, 0)
@@ -328,6 +342,8 @@ class Calibrator:
             return accumulate
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+        if experts is not None:
+            handles.append(experts.moe.register_forward_pre_hook(experts.hook))
         try:
             with torch.no_grad():
                 for ids, x in self.batches(store):
@@ -457,7 +473,8 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
             "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
             "mean_error": float(np.mean([e[1] for e in errs])) if errs else None,
             "layers": [{"layer": i, "seconds": round(s, 3),
-                        "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name]}
+                        "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name],
+                        **({"experts": cal.experts[i]} if i in cal.experts else {})}
                        for i, s in enumerate(cal.layer_seconds)],
         }
         (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")

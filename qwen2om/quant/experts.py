@@ -1,0 +1,98 @@
+"""Calibrating MoE experts: each expert from the tokens routed to it, RTN when it sees too few.
+
+An expert's linears see only the tokens the router sends to it, so its GPTQ Hessians are built
+from exactly those: during the layer's statistics pass a pre-hook on the MoE block routes the
+block's input the way the block itself does (softmax, top-k) and, per expert, accumulates
+`2·XᵀX` of its tokens for gate/up and of `silu(X·Wg)·(X·Wu)` for down. Experts that receive fewer
+than `min_tokens` calibration tokens — with skewed routers some receive none — are quantised by
+round-to-nearest instead, which needs no data; the report names each one with its token count.
+The router itself is never quantised (architecture data).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qwen2om.static_model import SparseMoE
+
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+MIN_TOKENS = 16
+MIN_FRACTION = 0.005  # and at least this share of the layer's tokens (as GPTQModel)
+
+
+class ExpertStats:
+    """Per-expert input Hessians and token counts of one MoE block over the calibration samples."""
+
+    def __init__(self, moe: SparseMoE) -> None:
+        self.moe = moe
+        e, h, i = moe.d.experts, moe.d.hidden, moe.d.moe_intermediate
+        self.gate_up = torch.zeros(e, h, h)
+        self.down = torch.zeros(e, i, i)
+        self.tokens = [0] * e
+        self.total = 0
+
+    def hook(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        moe, d = self.moe, self.moe.d
+        x = args[0].reshape(-1, d.hidden).float()
+        self.total += x.shape[0]
+        index = torch.topk(torch.softmax(moe.gate(x.to(moe.gate.weight.dtype)).float(), -1), d.top_k, -1).indices
+        for e in range(d.experts):
+            xe = x[(index == e).any(-1)]
+            if not xe.shape[0]:
+                continue
+            gu = xe @ moe.gate_up[e].float()
+            act = torch.nn.functional.silu(gu[:, :d.moe_intermediate]) * gu[:, d.moe_intermediate:]
+            self.gate_up[e] += 2 * xe.T @ xe
+            self.down[e] += 2 * act.T @ act
+            self.tokens[e] += xe.shape[0]
+
+    def hessian(self, e: int, proj: str) -> torch.Tensor:
+        """mean(2xxᵀ) over the tokens expert `e` received (its gate and up share one)."""
+        h = self.down[e] if proj == "down" else self.gate_up[e]
+        return h / max(1, self.tokens[e])
+
+    def enough(self, e: int) -> bool:
+        return self.tokens[e] >= max(MIN_TOKENS, math.ceil(MIN_FRACTION * self.total))
+
+
+def expert_weight(moe: SparseMoE, e: int, proj: str) -> torch.Tensor:
+    """Expert `e`'s `proj` weight as [out, in] (the stacks hold them transposed)."""
+    i = moe.d.moe_intermediate
+    if proj == "down":
+        return moe.down.data[e].T
+    return moe.gate_up.data[e][:, :i].T if proj == "gate" else moe.gate_up.data[e][:, i:].T
+
+
+def set_expert_weight(moe: SparseMoE, e: int, proj: str, w: torch.Tensor) -> None:
+    i = moe.d.moe_intermediate
+    if proj == "down":
+        moe.down.data[e] = w.T.to(moe.down.dtype)
+    elif proj == "gate":
+        moe.gate_up.data[e][:, :i] = w.T.to(moe.gate_up.dtype)
+    else:
+        moe.gate_up.data[e][:, i:] = w.T.to(moe.gate_up.dtype)
+
+
+def quantize_experts(moe: SparseMoE, stats: ExpertStats, names: list[str],
+                     gptq: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+                     rtn: Callable[[str, str], torch.Tensor]) -> dict[str, Any]:
+    """Quantise the experts' weights in `names` (GPTQ, or RTN below the token threshold), write
+    them through the callbacks and leave their dequantised values in `moe` for the next layer."""
+    fell_back = []
+    for name in names:
+        m = EXPERT.match(name)
+        assert m is not None
+        e, proj = int(m.group(2)), m.group(3)
+        if stats.enough(e):
+            w_hat = gptq(name, expert_weight(moe, e, proj).float(), stats.hessian(e, proj))
+        else:
+            w_hat = rtn(name, f"expert {e} received {stats.tokens[e]} of {stats.total} calibration tokens")
+            if proj == "gate":
+                fell_back.append(e)
+        set_expert_weight(moe, e, proj, w_hat)
+    return {"tokens": stats.tokens, "total": stats.total, "rtn_experts": fell_back}
