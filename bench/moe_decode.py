@@ -21,8 +21,10 @@ What it does (artefacts cached under `--workdir`):
    start of every timing (the machine is shared);
 5. a markdown table and the facts (`--json PATH` for every number).
 
-int4 is not measured: `calibrate` does not quantise MoE experts yet (issue 6 item 3), so its row
-says so rather than timing a model whose experts are still fp32.
+int4 is not measured: `calibrate` quantises the experts (since ed2ab44), but `convert` reads them
+dequantised into the fp32 expert stacks (`lower_int4` turns MatMuls with one quantised weight into
+MatMulNBits; a gathered stack is not one), so an "int4" MoE model would run fp32 experts. Its row
+says so rather than timing that (issue 6 item 3).
 
     .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
 """
@@ -44,7 +46,9 @@ from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_
 
 PRESET = "qwen3-30b-a3b"
 FP32 = 4
-INT4_NOTE = "not yet: experts are not quantised (issue 6 item 3)"
+# calibrate quantises experts since ed2ab44, but convert reads them dequantised into fp32 stacks
+# (lower_int4 lowers MatMuls with one quantised weight; a gathered expert stack is not one)
+INT4_NOTE = "not yet: experts run as fp32 stacks, no int4 expert gather (issue 6 item 3)"
 # transformers configurations by name: (attn_implementation, experts_implementation); None = library default
 TRANSFORMERS = {"eager": ("eager", "eager"), "default": (None, None)}
 
