@@ -154,13 +154,13 @@ class SparseMoE(nn.Module):
         weight = weight.to(x.dtype)
         if t == 1:
             gu = torch.matmul(xf[:, None, None, :], self.gate_up[index])  # [N, k, 1, 2I]
-            g, u = gu.split(d.moe_intermediate, dim=-1)
+            g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
             y = torch.matmul(nn.functional.silu(g) * u, self.down[index])  # [N, k, 1, H]
             out = (y.squeeze(2) * weight[..., None]).sum(dim=1)
         else:
             routing = x.new_zeros(b * t, d.experts).scatter(1, index, weight)  # [N, E]
             gu = torch.matmul(xf[None], self.gate_up)  # [E, N, 2I]
-            g, u = gu.split(d.moe_intermediate, dim=-1)
+            g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
             y = torch.matmul(nn.functional.silu(g) * u, self.down)  # [E, N, H]
             out = (y * routing.T[..., None]).sum(dim=0)
         if hasattr(self, "shared_expert"):

@@ -259,3 +259,10 @@ def test_fp8_block_moe(cli, tmp_path: Path) -> None:
     code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
                             "--json")
     assert code == 0 and json.loads(stdout)["mean_kl"] < 0.05, err
+
+
+def test_moe_layers_are_cloned_from_the_template(moe_out) -> None:
+    """Export traces two layers and clones the rest, as for dense models (4-layer tiny-qwen3-moe)."""
+    manifest = json.loads((moe_out["tiny-qwen3-moe"] / "manifest.json").read_text())
+    stats = next(s["stats"] for s in manifest["stages"] if s["pass"] == "export_onnx")
+    assert stats["decode_layers_traced"] == 2 and stats["prefill_layers_traced"] == 2
