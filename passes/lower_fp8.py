@@ -25,7 +25,8 @@ weights in memory, the speed of a float model); with scales as inputs it cannot.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import re
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -40,6 +41,7 @@ STORAGES = ("float8", "bytes")
 WEIGHT_SUFFIX = ".weight_fp8"
 SCALE_SUFFIX = ".weight_fp8_scale"  # scale_inputs finds FP8 scales by this suffix
 FP8_OPSET, FP8_IR = 19, 9
+STACK = re.compile(r"^(model\.layers\.\d+\.mlp)\.(gate_up|down)$")  # SparseMoE's expert stacks
 
 
 def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
@@ -77,7 +79,8 @@ class LowerFp8:
         if not any(q.kind == "fp8" for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         compute = ir.DataType.FLOAT if weights.dtype == torch.float32 else ir.DataType.FLOAT16
-        lowered = 0
+        self.raw = ckpt.raw
+        lowered, stacks = 0, 0
         for model in ws.need("graphs").values():
             graph = model.graph
             for node in list(graph):
@@ -93,10 +96,124 @@ class LowerFp8:
                 if not w.uses():
                     graph.initializers.pop(w.name)
                 lowered += 1
+            stacks += self.lower_expert_stacks(ws, graph, ckpt, weights, bindings, compute)
             if self.storage == "float8":
                 model.opset_imports[""] = max(model.opset_imports.get("", FP8_OPSET), FP8_OPSET)
                 model.ir_version = max(model.ir_version or FP8_IR, FP8_IR)
-        return PassResult(True, {"lowered": lowered, "storage": self.storage})
+        return PassResult(True, {"lowered": lowered, "expert_stacks": stacks, "storage": self.storage})
+
+    # -- MoE expert stacks -------------------------------------------------------------------------
+    def lower_expert_stacks(self, ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any,
+                            bindings: dict[str, WeightRef], compute: ir.DataType) -> int:
+        """Each FP8 MoE layer's `gate_up` [E, H, 2I] and `down` [E, I, H] stacks stay e4m3fn bytes (uint8,
+        decoded by table: GatherND takes no float8 tensor), with one stacked float32 scale per
+        projection ([E, ⌈N/bn⌉, ⌈K/bk⌉]: three per layer, not 3·E).
+        Decode's GatherND of the k routed experts moves before the dequantisation, so a step
+        dequantises k experts, not E; prefill's MatMul dequantises the whole stack."""
+        done = 0
+        for init in list(graph.initializers.values()):
+            m = STACK.match(init.name or "")
+            if m is None or not init.uses():
+                continue
+            p, which = m.group(1), m.group(2)
+            projs = ("gate", "up") if which == "gate_up" else ("down",)
+            qs = {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight") for e in range(ckpt.dims.experts)]
+                  for proj in projs}
+            if not all(isinstance(q, Fp8Weight) for group in qs.values() for q in group):
+                continue  # float (or int4) experts: the stack stays as converted
+            wq = self.expert_bytes(graph, weights, bindings, p, which, qs, list(init.shape))
+            scales = {proj: self.expert_scales(ws, graph, weights, bindings, p, proj, qs[proj], ckpt)
+                      for proj in projs}
+            full: ir.Value | None = None
+            for node, _ in list(init.uses()):
+                if node.op_type == "GatherND" and node.inputs[0] is init:
+                    idx = node.inputs[1]
+                    lead = len(idx.shape) - 1 if idx.shape is not None else 2
+                    nodes: list[ir.Node] = []
+                    gq = self.op(nodes, f"/{p}/{which}/fp8", "GatherND", wq, idx)
+                    gs = {proj: self.op(nodes, f"/{p}/{which}/fp8", "GatherND", v, idx) for proj, v in scales.items()}
+                    out = self.stack_dequant(graph, nodes, f"/{p}/{which}/fp8", gq, gs, qs, lead, compute)
+                    graph.insert_before(node, nodes)
+                    old = node.outputs[0]
+                    out.shape, out.type = old.shape, old.type
+                    old.replace_all_uses_with(out)
+                    graph.remove(node, safe=True)
+                    continue
+                if full is None:
+                    nodes = []
+                    full = self.stack_dequant(graph, nodes, f"/{p}/{which}/fp8", wq, scales, qs, 1, compute)
+                    full.shape, full.type = init.shape, init.type
+                    graph.insert_before(graph.node(0), nodes)
+                node.replace_input_with(list(node.inputs).index(init), full)
+            if not init.uses():
+                graph.initializers.pop(init.name)
+            done += 1
+        return done
+
+    def expert_bytes(self, graph: ir.Graph, weights: Any, bindings: dict[str, WeightRef], p: str, which: str,
+                     qs: dict[str, list[Fp8Weight]], shape: list[int]) -> ir.Value:
+        name = f"{p}.experts.{which}{WEIGHT_SUFFIX}"
+        if name in graph.initializers:
+            return graph.initializers[name]
+        ckpt_raw = self.raw
+
+        def part(e: int) -> torch.Tensor:  # the stack holds Wᵀ; gate and up side by side
+            return torch.cat([ckpt_raw(qs[proj][e].name).view(torch.uint8).T for proj in qs], dim=1)
+
+        # Always bytes: GatherND takes no float8 tensor (opset 19-23), and decode gathers first.
+        v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.UINT8))
+        graph.initializers.add(v)
+        weights.stored_stack(name, tuple(shape[1:]), [lambda e=e: part(e) for e in range(shape[0])])
+        bindings[name] = WeightRef(name)
+        return v
+
+    def expert_scales(self, ws: Workspace, graph: ir.Graph, weights: Any, bindings: dict[str, WeightRef], p: str,
+                      proj: str, qs: list[Fp8Weight], ckpt: Any) -> ir.Value:
+        name = f"{p}.experts.{proj}_proj{SCALE_SUFFIX}"
+        shape = [len(qs), *qs[0].scale_shape]
+        v = self.derived(graph, bindings, weights, name, ir.DataType.FLOAT, shape,
+                         lambda: torch.stack([q.scale(ckpt) for q in qs]).contiguous())
+        ws.setdefault("stacked_scales", {})[name] = {
+            "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale_inv",
+            "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight", "shape": shape,
+            "experts": len(qs), "block_size": list(qs[0].block), "scheme": "fp8", "format": qs[0].fmt,
+            "values": lambda: torch.stack([q.scale(ckpt) for q in qs]).contiguous()}
+        return v
+
+    def stack_dequant(self, graph: ir.Graph, nodes: list[ir.Node], p: str, wq: ir.Value, scales: dict[str, ir.Value],
+                      qs: dict[str, list[Fp8Weight]], lead: int, compute: ir.DataType) -> ir.Value:
+        """decode(wq) · tiles, for stacks [*lead, K, N] whose scale grids are [*lead, gn, gk]."""
+        tiles = [self.tile(graph, nodes, p, s, qs[proj][0], lead) for proj, s in scales.items()]
+        tiled = tiles[0] if len(tiles) == 1 else self.op(nodes, p, "Concat", *tiles, axis=-1)
+        decoded = self.op(nodes, p, "Gather", const(graph, "/fp8/e4m3fn_table", e4m3_table()),
+                          self.op(nodes, p, "Cast", wq, to=ir.DataType.INT32.value))
+        out = self.op(nodes, p, "Mul", decoded, tiled)
+        return out if compute == ir.DataType.FLOAT else self.op(nodes, p, "Cast", out, to=compute.value)
+
+    def tile(self, graph: ir.Graph, nodes: list[ir.Node], p: str, s: ir.Value, q: Fp8Weight, lead: int) -> ir.Value:
+        """A scale grid [*lead, gn, gk] as the per-element scale of Wᵀ: [*lead, k, n]."""
+        (gn, gk), (bn, bk) = q.scale_shape, q.block
+        i64 = np.int64
+        t = self.op(nodes, p, "Transpose", s, perm=[*range(lead), lead + 1, lead])
+        u = self.op(nodes, p, "Unsqueeze", t, const(graph, f"/fp8/axes_{lead + 1}_{lead + 3}",
+                                                   np.array([lead + 1, lead + 3], i64)))
+        x = self.op(nodes, p, "Expand", u, const(graph, f"/fp8/tile_1x{bk}x1x{bn}", np.array([1, bk, 1, bn], i64)))
+        r = self.op(nodes, p, "Reshape", x, const(graph, f"/fp8/keep{lead}_{gk * bk}x{gn * bn}",
+                                                  np.array([0] * lead + [gk * bk, gn * bn], i64)))
+        if (gk * bk, gn * bn) != (q.k, q.n):
+            r = self.op(nodes, p, "Slice", r, const(graph, "/fp8/zeros_2", np.zeros(2, i64)),
+                        const(graph, f"/fp8/ends_{q.k}x{q.n}", np.array([q.k, q.n], i64)),
+                        const(graph, f"/fp8/axes_{lead}_{lead + 1}", np.array([lead, lead + 1], i64)))
+        return r
+
+    @staticmethod
+    def op(nodes: list[ir.Node], p: str, kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
+        attributes = [ir.AttrInt64(a, v) if isinstance(v, int) else ir.AttrInt64s(a, v)  # type: ignore[arg-type]
+                      for a, v in attrs.items()]
+        node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"{p}/{kind}_{len(nodes)}")
+        node.outputs[0].name = f"{p}/{kind}_{len(nodes)}_out"
+        nodes.append(node)
+        return node.outputs[0]
 
     def dequantize(self, graph: ir.Graph, q: Fp8Weight, ckpt: object, weights: object,
                    bindings: dict[str, WeightRef], compute: ir.DataType) -> ir.Value:

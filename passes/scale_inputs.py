@@ -52,6 +52,7 @@ class ScaleInputs:
         weights, bindings = ws.need("weights")
         entries: dict[str, dict[str, Any]] = {}
         values: dict[str, torch.Tensor] = {}
+        stacked = ws.get("stacked_scales", {})  # MoE: one [E, ...] scale per layer and projection
         for kind, model in ws.need("graphs").items():
             graph = model.graph
             inputs, outputs = ws["signatures"][kind]
@@ -60,6 +61,22 @@ class ScaleInputs:
                 base = next((init.name.removesuffix(sfx) for sfx in (NBITS_SCALE, FP8_SCALE)
                              if init.name.endswith(sfx)), None)
                 if base is None or not init.uses():
+                    continue
+                if init.name in stacked:
+                    info = stacked[init.name]
+                    name, shape = info["input"], list(info["shape"])
+                    value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+                    graph.inputs.append(value)
+                    init.replace_all_uses_with(value)
+                    graph.initializers.pop(init.name)
+                    weights.derived.pop(init.name, None)
+                    bindings.pop(init.name, None)
+                    layer = layer_of(base)
+                    added.append(IOSpec(name, "float32", tuple(shape), ROLE_SCALE, layer))
+                    if name not in entries:
+                        entries[name] = {k: v for k, v in info.items() if k not in ("input", "values")} | {
+                            "layer": layer, "dtype": "float32", "stacked": True}
+                        values[name] = info["values"]()
                     continue
                 q = ckpt.quantized[f"{base}.weight"]
                 name = f"{base}.weight.scale"

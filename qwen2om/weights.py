@@ -39,6 +39,7 @@ class Weights:
         self.derived: dict[str, Callable[[], torch.Tensor]] = {}
         # Virtual [E, ...] tensors stacked from per-expert pieces (MoE), each produced on its own.
         self.stacks: dict[str, list[Callable[[], torch.Tensor]]] = {}
+        self.stored: set[str] = set()  # stacks whose pieces are bytes as stored (no dtype conversion)
 
     def stacked(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> nn.Parameter:
         """A parameter [len(parts), *shape] whose slice e is `parts[e]()`: written one piece at a
@@ -46,6 +47,13 @@ class Weights:
         self.shapes[name] = (len(parts), *shape)
         self.stacks[name] = parts
         return self.param(name)
+
+    def stored_stack(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> None:
+        """Like `stacked`, for a later pass's initializer whose pieces are already in their stored
+        form (FP8 bytes): written as produced, never converted to the compute dtype."""
+        self.shapes[name] = (len(parts), *shape)
+        self.stacks[name] = parts
+        self.stored.add(name)
 
     def param(self, name: str, *, transpose: bool = False) -> nn.Parameter:
         ref = WeightRef(name, transpose)
@@ -75,7 +83,8 @@ class Weights:
             return
         if ref.source in self.stacks:  # one expert at a time: slice e of the output
             for e, part in enumerate(self.stacks[ref.source]):
-                yield 0, e, part().to(self.dtype).contiguous()
+                piece = part() if ref.source in self.stored else part().to(self.dtype)
+                yield 0, e, piece.contiguous()
             return
         shape = self.shapes[ref.source]
         itemsize = torch.finfo(self.dtype).bits // 8
@@ -97,7 +106,8 @@ class Weights:
         if ref.source in self.derived:
             return self.derived[ref.source]()
         if ref.source in self.stacks:
-            return torch.stack([part().to(self.dtype) for part in self.stacks[ref.source]])
+            convert = ref.source not in self.stored
+            return torch.stack([part().to(self.dtype) if convert else part() for part in self.stacks[ref.source]])
         t = self.read(ref.source).to(self.dtype)
         return t.T.contiguous() if ref.transpose else t
 

@@ -201,6 +201,22 @@ def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> No
     convert(src, out, overrides=SMALL)
     report = verify(out, src, tokens=32, prompts=[VARIED])
     assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
+    # Experts stay FP8 in the graph, with one stacked scale input per layer and projection.
+    scale_map = json.loads((out / "scale_map.json").read_text())
+    stacked = {k: v for k, v in scale_map.items() if v.get("stacked")}
+    assert len(scale_map) == 4 * 4 + 4 * 3 and len(stacked) == 4 * 3
+    e = stacked["model.layers.2.mlp.experts.gate_proj.weight.scale"]
+    assert (e["shape"], e["experts"], e["layer"], e["source"]) == (
+        [8, 1, 1], 8, 2, "model.layers.2.mlp.experts.*.gate_proj.weight_scale_inv")
+    values = load_file(out / "scales.safetensors")["model.layers.2.mlp.experts.gate_proj.weight.scale"]
+    want = torch.stack([ckpt.raw(f"model.layers.2.mlp.experts.{x}.gate_proj.weight_scale_inv").float()
+                        for x in range(8)])
+    assert torch.equal(values, want)
+    decode = onnx.load(out / "model.decode.onnx", load_external_data=False)
+    stack = "model.layers.0.mlp.experts.gate_up.weight_fp8"
+    assert {i.name: i.data_type for i in decode.graph.initializer}[stack] == onnx.TensorProto.UINT8
+    users = [n.op_type for n in decode.graph.node if stack in n.input]
+    assert users == ["GatherND"]  # decode gathers the k routed experts' bytes, then dequantises only them
 
 
 # -- quantised experts ----------------------------------------------------------------------------
