@@ -16,17 +16,20 @@ weights); 4 lets ORT quantise activations to int8 per block for speed, at a smal
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
 from qwen2om.errors import Qwen2omError
+from qwen2om.passes.lower_fp8 import STACK, const
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
 
 MS_DOMAIN = "com.microsoft"
+NBITS_SCALE = ".weight_nbits_scale"  # scale_inputs finds int4 scales by this suffix
 
 
 @register
@@ -94,7 +97,10 @@ class LowerInt4:
                     graph.initializers.pop(w.name)
                 lowered += 1
             model.opset_imports[MS_DOMAIN] = 1
-        return PassResult(True, {"lowered": lowered, "accuracy_level": self.accuracy_level})
+        stacks = sum(lower_int4_stacks(ws, model.graph, ckpt, weights, bindings, onnx_dtype)
+                     for model in ws.need("graphs").values())
+        stats = {"lowered": lowered, "accuracy_level": self.accuracy_level}
+        return PassResult(True, stats | ({"expert_stacks": stacks} if stacks else {}))
 
     @staticmethod
     def initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights: object, name: str,
@@ -106,3 +112,106 @@ class LowerInt4:
         weights.derived[name] = produce  # type: ignore[attr-defined]
         bindings[name] = WeightRef(name)
         return v
+
+
+# -- MoE expert stacks ---------------------------------------------------------------------------
+def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, bindings: dict[str, WeightRef],
+                      compute: ir.DataType) -> int:
+    """Symmetric int4 experts stay int4 in the graph: each layer's `gate_up` / `down` stack becomes the
+    experts' packed bytes [E, N, K/2] plus one scale stack per projection [E, N, K/group]; decode
+    gathers the k routed experts' bytes and scales, then unpacks and dequantises only those
+    (BitwiseAnd / BitShift, opset 18); prefill dequantises the whole stack. MatMulNBits cannot be
+    used: it takes one constant weight, not a gathered one. Other int4 experts (asymmetric,
+    msModelSlim's layout) are dequantised at conversion, as before."""
+    done = 0
+    for init in list(graph.initializers.values()):
+        m = STACK.match(init.name or "")
+        if m is None or not init.uses():
+            continue
+        p, which = m.group(1), m.group(2)
+        projs = ("gate", "up") if which == "gate_up" else ("down",)
+        qs = {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight") for e in range(ckpt.dims.experts)]
+              for proj in projs}
+        flat = [q for group in qs.values() for q in group]
+        if not all(isinstance(q, Int4Weight) and q.symmetric and q.fmt == "compressed-tensors" and not q.k % q.group
+                   for q in flat) or len({q.group for q in flat}) != 1:
+            continue
+        n = sum(group[0].n for group in qs.values())
+        k, g = flat[0].k, flat[0].group
+        name = f"{p}.experts.{which}.weight_int4"
+        if name not in graph.initializers:
+            def part(e: int, qs: dict[str, list[Int4Weight]] = qs) -> torch.Tensor:
+                return torch.cat([group[e].nbits_b(ckpt).reshape(group[e].n, group[e].k // 2) for group in qs.values()])
+            wq = ir.Value(name=name, shape=ir.Shape([len(flat) // len(projs), n, k // 2]),
+                          type=ir.TensorType(ir.DataType.UINT8))
+            graph.initializers.add(wq)
+            weights.stored_stack(name, (n, k // 2), [lambda e=e, part=part: part(e) for e in range(ckpt.dims.experts)])
+            bindings[name] = WeightRef(name)
+        wq = graph.initializers[name]
+        scales = []
+        for proj, group in qs.items():
+            sname = f"{p}.experts.{proj}_proj{NBITS_SCALE}"
+            shape = [len(group), group[0].n, k // g]
+            def values(group: list[Int4Weight] = group) -> torch.Tensor:
+                return torch.stack([q.unpacked(ckpt)[1].float() for q in group]).contiguous()
+
+            scales.append(LowerInt4.initializer(graph, bindings, weights, sname, ir.DataType.FLOAT, shape, values))
+            ws.setdefault("stacked_scales", {})[sname] = {  # for `scales: inputs` (scale_inputs.py)
+                "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale",
+                "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight",
+                "shape": shape, "experts": len(group), "group_size": g, "scheme": "int4", "format": group[0].fmt,
+                "values": values}
+        full: ir.Value | None = None
+        scope = f"{p}/{which}"
+        for node, _ in list(init.uses()):
+            nodes: list[ir.Node] = []
+            if node.op_type == "GatherND" and node.inputs[0] is init:
+                idx = node.inputs[1]
+                lead = len(idx.shape) - 1 if idx.shape is not None else 2
+                gq = op(nodes, scope, "GatherND", wq, idx)
+                gs = [op(nodes, scope, "GatherND", sc, idx) for sc in scales]
+                out = unpack_dequant(graph, nodes, scope, gq, gs, lead, n, k, g, compute)
+                graph.insert_before(node, nodes)
+                old = node.outputs[0]
+                out.shape, out.type = old.shape, old.type
+                old.replace_all_uses_with(out)
+                graph.remove(node, safe=True)
+                continue
+            if full is None:
+                full = unpack_dequant(graph, nodes, scope, wq, scales, 1, n, k, g, compute)
+                full.shape, full.type = init.shape, init.type
+                graph.insert_before(graph.node(0), nodes)
+            node.replace_input_with(list(node.inputs).index(init), full)
+        if not init.uses():
+            graph.initializers.pop(init.name)
+        done += 1
+    return done
+
+
+def op(nodes: list[ir.Node], p: str, kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
+    attributes = [ir.AttrString(a, v) if isinstance(v, str) else ir.AttrInt64(a, v) if isinstance(v, int)
+                  else ir.AttrInt64s(a, v) for a, v in attrs.items()]  # type: ignore[arg-type]
+    node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"/{p}/int4/{kind}_{len(nodes)}")
+    node.outputs[0].name = f"/{p}/int4/{kind}_{len(nodes)}_out"
+    nodes.append(node)
+    return node.outputs[0]
+
+
+def unpack_dequant(graph: ir.Graph, nodes: list[ir.Node], p: str, wq: ir.Value, scales: list[ir.Value], lead: int,
+                   n: int, k: int, g: int, compute: ir.DataType) -> ir.Value:
+    """[*lead, n, k/2] bytes (low nibble first, value + 8) and [*lead, n_p, k/g] scales → Wᵀ [*lead, k, n]."""
+    i64 = np.int64
+    low = op(nodes, p, "BitwiseAnd", wq, const(graph, "/int4/mask_15", np.array(15, np.uint8)))
+    high = op(nodes, p, "BitShift", wq, const(graph, "/int4/shift_4", np.array(4, np.uint8)), direction="RIGHT")
+    axis = const(graph, "/int4/axes_-1", np.array([-1], i64))
+    pairs = op(nodes, p, "Concat", op(nodes, p, "Unsqueeze", low, axis), op(nodes, p, "Unsqueeze", high, axis), axis=-1)
+    keep = [0] * lead
+    q = op(nodes, p, "Reshape", pairs, const(graph, f"/int4/keep{lead}_{n}x{k}", np.array([*keep, n, k], i64)))
+    q = op(nodes, p, "Sub", op(nodes, p, "Cast", q, to=ir.DataType.FLOAT.value),
+           const(graph, "/int4/eight", np.array(8, np.float32)))
+    s = scales[0] if len(scales) == 1 else op(nodes, p, "Concat", *scales, axis=-2)
+    s = op(nodes, p, "Expand", op(nodes, p, "Unsqueeze", s, axis),
+           const(graph, f"/int4/group_{g}", np.array([1, g], i64)))
+    s = op(nodes, p, "Reshape", s, const(graph, f"/int4/keep{lead}_{n}x{k}", np.array([*keep, n, k], i64)))
+    w = op(nodes, p, "Transpose", op(nodes, p, "Mul", q, s), perm=[*range(lead), lead + 1, lead])
+    return w if compute == ir.DataType.FLOAT else op(nodes, p, "Cast", w, to=compute.value)

@@ -238,11 +238,25 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     convert(ckpt_dir, out, overrides=SMALL)
     report = verify(out, ckpt_dir, tokens=16, prompts=[VARIED])
     assert report.passed and report.max_abs <= 1e-4
+    # Experts stay int4 in the graph: packed bytes per layer, gathered before unpacking in decode.
+    decode = onnx.load(out / "model.decode.onnx", load_external_data=False)
+    stack = "model.layers.1.mlp.experts.gate_up.weight_int4"
+    init = {i.name: i for i in decode.graph.initializer}[stack]
+    assert init.data_type == onnx.TensorProto.UINT8 and list(init.dims) == [8, 64, 32]  # [E, 2I, H/2]
+    assert [n.op_type for n in decode.graph.node if stack in n.input] == ["GatherND"]
     code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
                             "--json")
     assert code == 0, err
     agree = json.loads(stdout)
     assert 0 < agree["mean_kl"] < 1 and 0 < agree["top1_agreement"] <= 1
+    # With scales as inputs: one stacked input per layer and projection.
+    out_in = tmp_path / "out-inputs"
+    convert(ckpt_dir, out_in, overrides=[*SMALL, "scales=inputs"])
+    scale_map = json.loads((out_in / "scale_map.json").read_text())
+    stacked = [v for v in scale_map.values() if v.get("stacked")]
+    assert len(scale_map) == 4 * 4 + 4 * 3 and len(stacked) == 4 * 3
+    assert all(v["shape"][0] == 8 and v["scheme"] == "int4" for v in stacked)
+    assert verify(out_in, ckpt_dir, tokens=8, prompts=[VARIED]).passed
 
 
 def test_skewed_routing_falls_back_to_rtn(cli, tmp_path: Path) -> None:
