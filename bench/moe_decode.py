@@ -21,10 +21,10 @@ What it does (artefacts cached under `--workdir`):
    start of every timing (the machine is shared);
 5. a markdown table and the facts (`--json PATH` for every number).
 
-int4 is not measured: `calibrate` quantises the experts (since ed2ab44), but `convert` reads them
-dequantised into the fp32 expert stacks (`lower_int4` turns MatMuls with one quantised weight into
-MatMulNBits; a gathered stack is not one), so an "int4" MoE model would run fp32 experts. Its row
-says so rather than timing that (issue 6 item 3).
+With `--int4`: `qwen2om calibrate CKPT --method rtn` (data-free, group 128; every expert on its own),
+converted, and timed the same way. Since 0a9bc59 the experts stay int4 in the graph (packed byte
+stacks; decode gathers the routed experts' bytes and dequantises only those); attention linears are
+MatMulNBits.
 
     .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
 """
@@ -46,9 +46,7 @@ from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_
 
 PRESET = "qwen3-30b-a3b"
 FP32 = 4
-# calibrate quantises experts since ed2ab44, but convert reads them dequantised into fp32 stacks
-# (lower_int4 lowers MatMuls with one quantised weight; a gathered expert stack is not one)
-INT4_NOTE = "not yet: experts run as fp32 stacks, no int4 expert gather (issue 6 item 3)"
+INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in the graph since 0a9bc59)"
 # transformers configurations by name: (attn_implementation, experts_implementation); None = library default
 TRANSFORMERS = {"eager": ("eager", "eager"), "default": (None, None)}
 
@@ -229,6 +227,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--transformers", default="eager",
                     help="comma-separated transformers configurations: eager, default (empty: none)")
     ap.add_argument("--reuse-conversion", action="store_true", help="keep an existing conversion (not timed)")
+    ap.add_argument("--int4", action="store_true", help="also calibrate (RTN, data-free) and time a W4A16 model "
+                    "whose experts stay int4 in the graph")
     ap.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -269,7 +269,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = {"ids": ids, "new_tokens": a.new_tokens, "runs": a.runs, "threads": threads}
     rows = [time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT fp32", "out": str(out),
                            "result": str(work / "timing-qwen2om.json")})]
-    rows.append(Timing("qwen2om ORT int4", note=INT4_NOTE))
+    if a.int4:
+        w4, out4 = work / f"w4-rtn-{ckpt.name}", work / f"onnx-w4-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
+        if not (a.reuse_conversion and (out4 / "manifest.json").is_file()):
+            for cmd in (["calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force"],
+                        ["convert", str(w4), "-o", str(out4), "--set", f"max_seq_len={a.max_seq_len}",
+                         "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]):
+                print(f"$ qwen2om {' '.join(cmd)}", file=sys.stderr, flush=True)
+                run = run_child([sys.executable, "-m", "qwen2om", *cmd])
+                if run.returncode:
+                    raise SystemExit(f"{cmd[0]} failed (exit {run.returncode})")
+                print(f"  {cmd[0]}: {run.wall_s:.1f} s, peak RSS {gib(run.peak_rss_bytes)}", file=sys.stderr)
+        rows.append(time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT int4 (RTN g128, experts int4 "
+                                   "in the graph)", "out": str(out4), "result": str(work / "timing-qwen2om-w4.json")}))
+    else:
+        rows.append(Timing("qwen2om ORT int4", note=INT4_NOTE))
     for cfg in filter(None, a.transformers.split(",")):
         rows.append(time_in_child({**common, "kind": "transformers", "name": f"transformers {cfg}", "config": cfg,
                                    "ckpt": str(ckpt), "result": str(work / f"timing-transformers-{cfg}.json")}))
