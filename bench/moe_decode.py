@@ -22,9 +22,9 @@ What it does (artefacts cached under `--workdir`):
 5. a markdown table and the facts (`--json PATH` for every number).
 
 With `--int4`: `qwen2om calibrate CKPT --method rtn` (data-free, group 128; every expert on its own),
-converted, and timed the same way. Since 0a9bc59 the experts stay int4 in the graph (packed byte
-stacks; decode gathers the routed experts' bytes and dequantises only those); attention linears are
-MatMulNBits.
+converted with `lower_int4: {experts: true}` (experts kept int4 in the graph: packed byte stacks,
+decode gathers the routed experts' bytes and dequantises only those; attention linears are
+MatMulNBits), and timed the same way. The default recipe dequantises experts at conversion instead.
 
     .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
 """
@@ -46,7 +46,7 @@ from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_
 
 PRESET = "qwen3-30b-a3b"
 FP32 = 4
-INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in the graph since 0a9bc59)"
+INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in the graph)"
 # transformers configurations by name: (attn_implementation, experts_implementation); None = library default
 TRANSFORMERS = {"eager": ("eager", "eager"), "default": (None, None)}
 
@@ -272,9 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.int4:
         w4, out4 = work / f"w4-rtn-{ckpt.name}", work / f"onnx-w4-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
         if not (a.reuse_conversion and (out4 / "manifest.json").is_file()):
+            recipe = work / "qwen3-fp32-int4-experts.yaml"  # the bundled recipe, experts kept int4
+            recipe.write_text("".join("  - lower_int4: {experts: true}\n" if line.strip() == "- lower_int4" or
+                                      line.strip().startswith("- lower_int4 ") else line for line in
+                                      (REPO / "recipes" / "qwen3-fp32.yaml").read_text().splitlines(True)))
             for cmd in (["calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force"],
-                        ["convert", str(w4), "-o", str(out4), "--set", f"max_seq_len={a.max_seq_len}",
-                         "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]):
+                        ["convert", str(w4), "-o", str(out4), "--recipe", str(recipe), "--set",
+                         f"max_seq_len={a.max_seq_len}", "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]):
                 print(f"$ qwen2om {' '.join(cmd)}", file=sys.stderr, flush=True)
                 run = run_child([sys.executable, "-m", "qwen2om", *cmd])
                 if run.returncode:

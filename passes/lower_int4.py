@@ -40,10 +40,13 @@ class LowerInt4:
     requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
     produces: ClassVar[tuple[str, ...]] = ("int4_lowered",)
 
-    def __init__(self, accuracy_level: int = 0) -> None:
+    def __init__(self, accuracy_level: int = 0, experts: bool = False) -> None:
+        """`experts`: keep MoE experts int4 in the graph (gathered bytes, see lower_int4_stacks). Off
+        by default: on ONNX Runtime's CPU kernels it decodes slower and holds more memory than
+        experts dequantised at conversion (docs/benchmarks.md, MoE decode)."""
         if accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0-4, not {accuracy_level}")
-        self.accuracy_level = accuracy_level
+        self.accuracy_level, self.experts = accuracy_level, bool(experts)
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt = ws.need("checkpoint")
@@ -98,7 +101,7 @@ class LowerInt4:
                 lowered += 1
             model.opset_imports[MS_DOMAIN] = 1
         stacks = sum(lower_int4_stacks(ws, model.graph, ckpt, weights, bindings, onnx_dtype)
-                     for model in ws.need("graphs").values())
+                     for model in ws.need("graphs").values()) if self.experts else 0
         stats = {"lowered": lowered, "accuracy_level": self.accuracy_level}
         return PassResult(True, stats | ({"expert_stacks": stacks} if stacks else {}))
 

@@ -95,6 +95,19 @@ def test_moe_graphs_are_static(moe_out) -> None:
         assert len(stacked) == 4 and list(stacked[0].dims) == [8, 64, 64]  # [E, H, 2I], one per layer
 
 
+def experts_recipe(tmp_path: Path) -> str:
+    """recipes/qwen3-fp32.yaml with quantised experts kept quantised in the graph (off by default)."""
+    import importlib.resources
+
+    text = (importlib.resources.files("qwen2om.recipes") / "qwen3-fp32.yaml").read_text()
+    lines = ["  - lower_int4: {experts: true}" if line.strip().startswith("- lower_int4") else
+             "  - lower_fp8: {experts: true}" if line.strip().startswith("- lower_fp8") else line
+             for line in text.splitlines()]
+    path = tmp_path / "qwen3-experts.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def fused_copy(src: Path, dest: Path) -> Path:
     """The same checkpoint with experts stored 3-D, as transformers 5 holds them in memory."""
     shutil.copytree(src, dest)
@@ -198,10 +211,15 @@ def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> No
     assert "model.layers.0.mlp.gate.weight" not in ckpt.quantized
     assert ckpt.info("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
     out = tmp_path / "out"
-    convert(src, out, overrides=SMALL)
+    convert(src, out, overrides=SMALL)  # default: experts dequantised at conversion
     report = verify(out, src, tokens=32, prompts=[VARIED])
     assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
-    # Experts stay FP8 in the graph, with one stacked scale input per layer and projection.
+    out = tmp_path / "out-experts"
+    convert(src, out, recipe=experts_recipe(tmp_path), overrides=SMALL)
+    report = verify(out, src, tokens=32, prompts=[VARIED])
+    assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
+    # `lower_fp8: {experts: true}`: experts stay FP8 in the graph, one stacked scale input per layer
+    # and projection.
     scale_map = json.loads((out / "scale_map.json").read_text())
     stacked = {k: v for k, v in scale_map.items() if v.get("stacked")}
     assert len(scale_map) == 4 * 4 + 4 * 3 and len(stacked) == 4 * 3
@@ -235,10 +253,11 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     for layer in report["layers"]:
         assert sum(layer["experts"]["tokens"]) == 2 * layer["experts"]["total"]  # top-2
         assert layer["experts"]["rtn_experts"] == []
-    convert(ckpt_dir, out, overrides=SMALL)
+    convert(ckpt_dir, out, recipe=experts_recipe(tmp_path), overrides=SMALL)
     report = verify(out, ckpt_dir, tokens=16, prompts=[VARIED])
     assert report.passed and report.max_abs <= 1e-4
-    # Experts stay int4 in the graph: packed bytes per layer, gathered before unpacking in decode.
+    # `lower_int4: {experts: true}`: experts stay int4 in the graph, packed bytes per layer, gathered
+    # before unpacking in decode.
     decode = onnx.load(out / "model.decode.onnx", load_external_data=False)
     stack = "model.layers.1.mlp.experts.gate_up.weight_int4"
     init = {i.name: i for i in decode.graph.initializer}[stack]
@@ -251,7 +270,7 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     assert 0 < agree["mean_kl"] < 1 and 0 < agree["top1_agreement"] <= 1
     # With scales as inputs: one stacked input per layer and projection.
     out_in = tmp_path / "out-inputs"
-    convert(ckpt_dir, out_in, overrides=[*SMALL, "scales=inputs"])
+    convert(ckpt_dir, out_in, recipe=experts_recipe(tmp_path), overrides=[*SMALL, "scales=inputs"])
     scale_map = json.loads((out_in / "scale_map.json").read_text())
     stacked = [v for v in scale_map.values() if v.get("stacked")]
     assert len(scale_map) == 4 * 4 + 4 * 3 and len(stacked) == 4 * 3
