@@ -26,6 +26,7 @@ weights in memory, the speed of a float model); with scales as inputs it cannot.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,6 +53,36 @@ def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
                  const_value=ir.tensor(value, name=name))
     graph.register_initializer(v)
     return v
+
+
+def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value, scales: list[ir.Value],
+                       dequant: Callable[[list[ir.Node], ir.Value, list[ir.Value], int], ir.Value]) -> None:
+    """Point every use of the float expert stack `init` at `dequant(nodes, bytes, scales, lead)`.
+
+    A GatherND of the routed experts (decode) becomes GatherNDs of the bytes and the scale stacks,
+    dequantised after, so a step dequantises k experts, not E; any other use (prefill's MatMul)
+    gets the whole stack, dequantised once at the top of the graph."""
+    full: ir.Value | None = None
+    for node, _ in list(init.uses()):
+        nodes: list[ir.Node] = []
+        if node.op_type == "GatherND" and node.inputs[0] is init:
+            idx = node.inputs[1]
+            lead = len(idx.shape) - 1 if idx.shape is not None else 2
+            gathered = [LowerFp8.op(nodes, scope, "GatherND", v, idx) for v in (wq, *scales)]
+            out = dequant(nodes, gathered[0], gathered[1:], lead)
+            graph.insert_before(node, nodes)
+            old = node.outputs[0]
+            out.shape, out.type = old.shape, old.type
+            old.replace_all_uses_with(out)
+            graph.remove(node, safe=True)
+            continue
+        if full is None:
+            full = dequant(nodes, wq, scales, 1)
+            full.shape, full.type = init.shape, init.type
+            graph.insert_before(graph.node(0), nodes)
+        node.replace_input_with(list(node.inputs).index(init), full)
+    if not init.uses():
+        graph.initializers.pop(init.name)
 
 
 def e4m3_table() -> np.ndarray:
@@ -127,29 +158,10 @@ class LowerFp8:
             wq = self.expert_bytes(graph, weights, bindings, p, which, qs, list(init.shape))
             scales = {proj: self.expert_scales(ws, graph, weights, bindings, p, proj, qs[proj], ckpt)
                       for proj in projs}
-            full: ir.Value | None = None
-            for node, _ in list(init.uses()):
-                if node.op_type == "GatherND" and node.inputs[0] is init:
-                    idx = node.inputs[1]
-                    lead = len(idx.shape) - 1 if idx.shape is not None else 2
-                    nodes: list[ir.Node] = []
-                    gq = self.op(nodes, f"/{p}/{which}/fp8", "GatherND", wq, idx)
-                    gs = {proj: self.op(nodes, f"/{p}/{which}/fp8", "GatherND", v, idx) for proj, v in scales.items()}
-                    out = self.stack_dequant(graph, nodes, f"/{p}/{which}/fp8", gq, gs, qs, lead, compute)
-                    graph.insert_before(node, nodes)
-                    old = node.outputs[0]
-                    out.shape, out.type = old.shape, old.type
-                    old.replace_all_uses_with(out)
-                    graph.remove(node, safe=True)
-                    continue
-                if full is None:
-                    nodes = []
-                    full = self.stack_dequant(graph, nodes, f"/{p}/{which}/fp8", wq, scales, qs, 1, compute)
-                    full.shape, full.type = init.shape, init.type
-                    graph.insert_before(graph.node(0), nodes)
-                node.replace_input_with(list(node.inputs).index(init), full)
-            if not init.uses():
-                graph.initializers.pop(init.name)
+            scope = f"/{p}/{which}/fp8"
+            replace_stack_uses(graph, init, scope, wq, list(scales.values()),
+                               lambda nodes, w, ss, lead, scope=scope, projs=projs, qs=qs: self.stack_dequant(
+                                   graph, nodes, scope, w, dict(zip(projs, ss, strict=True)), qs, lead, compute))
             done += 1
         return done
 

@@ -23,7 +23,7 @@ import onnx_ir as ir
 import torch
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import STACK, const
+from qwen2om.passes.lower_fp8 import STACK, const, replace_stack_uses
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
@@ -164,29 +164,10 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
                 "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight",
                 "shape": shape, "experts": len(group), "group_size": g, "scheme": "int4", "format": group[0].fmt,
                 "values": values}
-        full: ir.Value | None = None
         scope = f"{p}/{which}"
-        for node, _ in list(init.uses()):
-            nodes: list[ir.Node] = []
-            if node.op_type == "GatherND" and node.inputs[0] is init:
-                idx = node.inputs[1]
-                lead = len(idx.shape) - 1 if idx.shape is not None else 2
-                gq = op(nodes, scope, "GatherND", wq, idx)
-                gs = [op(nodes, scope, "GatherND", sc, idx) for sc in scales]
-                out = unpack_dequant(graph, nodes, scope, gq, gs, lead, n, k, g, compute)
-                graph.insert_before(node, nodes)
-                old = node.outputs[0]
-                out.shape, out.type = old.shape, old.type
-                old.replace_all_uses_with(out)
-                graph.remove(node, safe=True)
-                continue
-            if full is None:
-                full = unpack_dequant(graph, nodes, scope, wq, scales, 1, n, k, g, compute)
-                full.shape, full.type = init.shape, init.type
-                graph.insert_before(graph.node(0), nodes)
-            node.replace_input_with(list(node.inputs).index(init), full)
-        if not init.uses():
-            graph.initializers.pop(init.name)
+        replace_stack_uses(graph, init, f"/{scope}/int4", wq, scales,
+                           lambda nodes, w, ss, lead, scope=scope, n=n, k=k, g=g: unpack_dequant(
+                               graph, nodes, scope, w, ss, lead, n, k, g, compute))
         done += 1
     return done
 
