@@ -85,6 +85,19 @@ def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value
         graph.initializers.pop(init.name)
 
 
+def derived_initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights: Any, name: str,
+                        dtype: ir.DataType, shape: list[int], produce: Callable[[], torch.Tensor]) -> ir.Value:
+    """An initializer that write_onnx fills from `produce()` (int4 / FP8 storage, scales), once per
+    name whatever the number of graphs using it."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+    graph.initializers.add(v)
+    weights.derived[name] = produce
+    bindings[name] = WeightRef(name)
+    return v
+
+
 def e4m3_table() -> np.ndarray:
     """float32 value of every e4m3fn byte (0x7F and 0xFF are NaN)."""
     return torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float().numpy()
@@ -186,7 +199,7 @@ class LowerFp8:
                       proj: str, qs: list[Fp8Weight], ckpt: Any) -> ir.Value:
         name = f"{p}.experts.{proj}_proj{SCALE_SUFFIX}"
         shape = [len(qs), *qs[0].scale_shape]
-        v = self.derived(graph, bindings, weights, name, ir.DataType.FLOAT, shape,
+        v = derived_initializer(graph, bindings, weights, name, ir.DataType.FLOAT, shape,
                          lambda: torch.stack([q.scale(ckpt) for q in qs]).contiguous())
         ws.setdefault("stacked_scales", {})[name] = {
             "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale_inv",
@@ -236,9 +249,9 @@ class LowerFp8:
         n, k, (bn, bk) = q.n, q.k, q.block
         gn, gk = q.scale_shape
         stored = ir.DataType.FLOAT8E4M3FN if self.storage == "float8" else ir.DataType.UINT8
-        wq = self.derived(graph, bindings, weights, q.base + WEIGHT_SUFFIX, stored, [k, n],
+        wq = derived_initializer(graph, bindings, weights, q.base + WEIGHT_SUFFIX, stored, [k, n],
                           lambda: ckpt.raw(q.name).T.contiguous().view(torch.uint8))  # type: ignore[attr-defined]
-        s = self.derived(graph, bindings, weights, q.base + SCALE_SUFFIX, ir.DataType.FLOAT, [gn, gk],
+        s = derived_initializer(graph, bindings, weights, q.base + SCALE_SUFFIX, ir.DataType.FLOAT, [gn, gk],
                          lambda: q.scale(ckpt).contiguous())
         p = f"/{q.base}/fp8"
         nodes: list[ir.Node] = []
@@ -270,14 +283,3 @@ class LowerFp8:
         graph.insert_before(graph.node(0), nodes)
         return out
 
-    @staticmethod
-    def derived(graph: ir.Graph, bindings: dict[str, WeightRef], weights: object, name: str,
-                dtype: ir.DataType, shape: list[int], produce: object) -> ir.Value:
-        """An initializer written from the checkpoint by `produce` (shared by the graphs by name)."""
-        if name in graph.initializers:
-            return graph.initializers[name]
-        v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
-        graph.initializers.add(v)
-        weights.derived[name] = produce  # type: ignore[attr-defined]
-        bindings[name] = WeightRef(name)
-        return v

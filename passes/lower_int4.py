@@ -23,7 +23,7 @@ import onnx_ir as ir
 import torch
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import STACK, const, replace_stack_uses
+from qwen2om.passes.lower_fp8 import STACK, const, derived_initializer, replace_stack_uses
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
@@ -72,16 +72,16 @@ class LowerInt4:
                                        f"this checkpoint has group {q.group}")
                 blocks = q.k // q.group
                 inputs = [node.inputs[0],
-                          self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits", ir.DataType.UINT8,
-                                           [q.n, blocks, q.group // 2],
-                                           lambda q=q: q.nbits_b(ckpt)),
-                          self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits_scale", onnx_dtype,
-                                           [q.n * blocks],
-                                           lambda q=q: q.unpacked(ckpt)[1].to(dtype).reshape(-1))]
+                          derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits", ir.DataType.UINT8,
+                                              [q.n, blocks, q.group // 2],
+                                              lambda q=q: q.nbits_b(ckpt)),
+                          derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits_scale", onnx_dtype,
+                                              [q.n * blocks],
+                                              lambda q=q: q.unpacked(ckpt)[1].to(dtype).reshape(-1))]
                 if q.has_zero_point:
-                    inputs.append(self.initializer(graph, bindings, weights, f"{q.base}.weight_nbits_zero_point",
-                                                   ir.DataType.UINT8, [q.n * ((blocks + 1) // 2)],
-                                                   lambda q=q: q.nbits_zero_points(ckpt)))
+                    inputs.append(derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits_zero_point",
+                                                      ir.DataType.UINT8, [q.n * ((blocks + 1) // 2)],
+                                                      lambda q=q: q.nbits_zero_points(ckpt)))
                 new = ir.Node(MS_DOMAIN, "MatMulNBits", inputs, [
                     ir.AttrInt64("K", q.k), ir.AttrInt64("N", q.n), ir.AttrInt64("bits", 4),
                     ir.AttrInt64("block_size", q.group), ir.AttrInt64("accuracy_level", self.accuracy_level)],
@@ -105,16 +105,6 @@ class LowerInt4:
         stats = {"lowered": lowered, "accuracy_level": self.accuracy_level}
         return PassResult(True, stats | ({"expert_stacks": stacks} if stacks else {}))
 
-    @staticmethod
-    def initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights: object, name: str,
-                    dtype: ir.DataType, shape: list[int], produce: object) -> ir.Value:
-        if name in graph.initializers:
-            return graph.initializers[name]
-        v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
-        graph.initializers.add(v)
-        weights.derived[name] = produce  # type: ignore[attr-defined]
-        bindings[name] = WeightRef(name)
-        return v
 
 
 # -- MoE expert stacks ---------------------------------------------------------------------------
@@ -158,7 +148,7 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
             def values(group: list[Int4Weight] = group) -> torch.Tensor:
                 return torch.stack([q.unpacked(ckpt)[1].float() for q in group]).contiguous()
 
-            scales.append(LowerInt4.initializer(graph, bindings, weights, sname, ir.DataType.FLOAT, shape, values))
+            scales.append(derived_initializer(graph, bindings, weights, sname, ir.DataType.FLOAT, shape, values))
             ws.setdefault("stacked_scales", {})[sname] = {  # for `scales: inputs` (scale_inputs.py)
                 "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale",
                 "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight",
