@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-INDEX = "model.safetensors.index.json"
+from edits import INDEX, convert_fails, edit_tensor, shard_of
 
 
 @pytest.fixture
@@ -20,33 +17,6 @@ def ckpt(checkpoint, tmp_path: Path) -> Path:
     dest = tmp_path / "ckpt"
     shutil.copytree(checkpoint("tiny-qwen3"), dest)
     return dest
-
-
-def shard_of(ckpt: Path, tensor: str) -> Path:
-    return ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"][tensor]
-
-
-def edit_tensor(ckpt: Path, tensor: str, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
-    path = shard_of(ckpt, tensor)
-    tensors = load_file(path)
-    new = change(tensors[tensor])
-    if new is None:
-        del tensors[tensor]
-    else:
-        tensors[tensor] = new
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def convert_fails(cli, ckpt: Path, tmp_path: Path, *needles: str) -> str:
-    out = tmp_path / "out"
-    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
-    assert code != 0
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in err, err
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "partial output left behind"
-    return err
 
 
 def test_missing_config(cli, ckpt, tmp_path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from edits import convert_fails, edit_tensor
 from safetensors.torch import load_file, save_file
 
 from qwen2om.checkpoint import Checkpoint
@@ -21,7 +22,6 @@ from qwen2om.verify import verify
 
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
 RAGGED = "model.layers.1.mlp.gate_proj.weight"  # [160, 64]: two row tiles, the second 32 rows deep
-INDEX = "model.safetensors.index.json"
 
 
 def tile_loop_dequant(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -210,51 +210,27 @@ def fp8_ckpt(checkpoint, tmp_path: Path) -> Path:
     return dest
 
 
-def edit(ckpt: Path, tensor: str, change) -> None:
-    shard = ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"][tensor]
-    tensors = load_file(shard)
-    new = change(tensors[tensor])
-    if new is None:
-        del tensors[tensor]
-        index = json.loads((ckpt / INDEX).read_text())
-        del index["weight_map"][tensor]
-        (ckpt / INDEX).write_text(json.dumps(index))
-    else:
-        tensors[tensor] = new
-    save_file(tensors, shard, metadata={"format": "pt"})
-
-
 def edit_config(ckpt: Path, change) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     change(config["quantization_config"])
     (ckpt / "config.json").write_text(json.dumps(config))
 
 
-def convert_fails(cli, ckpt: Path, tmp_path: Path, *needles: str) -> None:
-    out = tmp_path / "out"
-    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
-    assert code != 0 and "Traceback" not in err
-    flat = " ".join(err.split())
-    for needle in needles:
-        assert needle in flat, err
-    assert not out.exists()
-
-
 SCALE = "model.layers.1.mlp.gate_proj.weight_scale_inv"
 
 
 def test_integer_scale(cli, fp8_ckpt: Path, tmp_path: Path) -> None:
-    edit(fp8_ckpt, SCALE, lambda s: s.float().ceil().to(torch.int32))
+    edit_tensor(fp8_ckpt, SCALE, lambda s: s.float().ceil().to(torch.int32))
     convert_fails(cli, fp8_ckpt, tmp_path, SCALE, "not a float")
 
 
 def test_missing_scale(cli, fp8_ckpt: Path, tmp_path: Path) -> None:
-    edit(fp8_ckpt, SCALE, lambda s: None)
+    edit_tensor(fp8_ckpt, SCALE, lambda s: None, unindex=True)
     convert_fails(cli, fp8_ckpt, tmp_path, RAGGED, "has no scale", SCALE)
 
 
 def test_scale_shape_inconsistent(cli, fp8_ckpt: Path, tmp_path: Path) -> None:
-    edit(fp8_ckpt, SCALE, lambda s: s[:1])
+    edit_tensor(fp8_ckpt, SCALE, lambda s: s[:1])
     convert_fails(cli, fp8_ckpt, tmp_path, SCALE, "[1, 1]", "needs [2, 1]")
 
 
@@ -266,7 +242,7 @@ def test_bad_scale_values(cli, fp8_ckpt: Path, tmp_path: Path, value: float, nee
         s[1, 0] = value
         return s
 
-    edit(fp8_ckpt, SCALE, poison)
+    edit_tensor(fp8_ckpt, SCALE, poison)
     convert_fails(cli, fp8_ckpt, tmp_path, SCALE, needle)
 
 
@@ -278,7 +254,7 @@ def test_scale_out_of_target_range(cli, fp8_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_weight_not_e4m3(cli, fp8_ckpt: Path, tmp_path: Path) -> None:
-    edit(fp8_ckpt, RAGGED, lambda w: w.float().to(torch.float8_e5m2))
+    edit_tensor(fp8_ckpt, RAGGED, lambda w: w.float().to(torch.float8_e5m2))
     convert_fails(cli, fp8_ckpt, tmp_path, RAGGED, "float8_e5m2", "float8_e4m3fn")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from edits import INDEX, convert_fails, edit_tensor
 from safetensors.torch import load_file, save_file
 
 from qwen2om.checkpoint import Checkpoint
@@ -16,7 +17,6 @@ from qwen2om.convert import convert
 from qwen2om.verify import verify
 
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
-INDEX = "model.safetensors.index.json"
 REPEATED = "the " * 24  # identical tokens: identical router inputs in layer 0
 VARIED = ("MoE routing test: def main(argv): return sum(x ** 2 for x in argv) # 数学 über café, "
           "JSON {\"a\": [1, 2.5, null]} <html><body>Привет</body></html> SELECT * FROM t WHERE id = 42;")
@@ -149,30 +149,6 @@ def moe_ckpt(checkpoint, tmp_path: Path) -> Path:
     return dest
 
 
-def edit(ckpt: Path, tensor: str, change) -> None:
-    index = json.loads((ckpt / INDEX).read_text())
-    shard = ckpt / index["weight_map"][tensor]
-    tensors = load_file(shard)
-    new = change(tensors[tensor])
-    if new is None:
-        del tensors[tensor]
-        del index["weight_map"][tensor]
-        (ckpt / INDEX).write_text(json.dumps(index))
-    else:
-        tensors[tensor] = new
-    save_file(tensors, shard, metadata={"format": "pt"})
-
-
-def convert_fails(cli, ckpt: Path, tmp_path: Path, *needles: str) -> None:
-    out = tmp_path / "out"
-    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
-    assert code != 0 and "Traceback" not in err
-    flat = " ".join(err.split())
-    for needle in needles:
-        assert needle in flat, err
-    assert not out.exists()
-
-
 def test_top_k_above_experts(cli, moe_ckpt: Path, tmp_path: Path) -> None:
     cfg = json.loads((moe_ckpt / "config.json").read_text())
     cfg["num_experts_per_tok"] = 9
@@ -181,12 +157,12 @@ def test_top_k_above_experts(cli, moe_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_missing_expert(cli, moe_ckpt: Path, tmp_path: Path) -> None:
-    edit(moe_ckpt, "model.layers.2.mlp.experts.5.up_proj.weight", lambda t: None)
+    edit_tensor(moe_ckpt, "model.layers.2.mlp.experts.5.up_proj.weight", lambda t: None, unindex=True)
     convert_fails(cli, moe_ckpt, tmp_path, "model.layers.2.mlp.experts.5.up_proj.weight", "missing")
 
 
 def test_inconsistent_expert_shape(cli, moe_ckpt: Path, tmp_path: Path) -> None:
-    edit(moe_ckpt, "model.layers.1.mlp.experts.3.down_proj.weight", lambda t: t[:, :16].contiguous())
+    edit_tensor(moe_ckpt, "model.layers.1.mlp.experts.3.down_proj.weight", lambda t: t[:, :16].contiguous())
     convert_fails(cli, moe_ckpt, tmp_path, "model.layers.1.mlp.experts.3.down_proj.weight", "[64, 16]", "[64, 32]")
 
 
@@ -196,7 +172,7 @@ def test_router_nan(cli, moe_ckpt: Path, tmp_path: Path) -> None:
         t[4, 7] = float("nan")
         return t
 
-    edit(moe_ckpt, "model.layers.0.mlp.gate.weight", poison)
+    edit_tensor(moe_ckpt, "model.layers.0.mlp.gate.weight", poison)
     convert_fails(cli, moe_ckpt, tmp_path, "model.layers.0.mlp.gate.weight", "non-finite")
 
 
