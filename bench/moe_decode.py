@@ -22,7 +22,7 @@ What it does (artefacts cached under `--workdir`):
 5. a markdown table and the facts (`--json PATH` for every number).
 
 With `--int4`: `qwen2om calibrate CKPT --method rtn` (data-free, group 128; every expert on its own),
-converted with `lower_int4: {experts: true}` (experts kept int4 in the graph: packed byte stacks,
+converted with `lower_int4: {experts: true}` (experts kept int4 in the graph, so not fused: packed byte stacks,
 decode gathers the routed experts' bytes and dequantises only those; attention linears are
 MatMulNBits), and timed the same way. The default recipe dequantises experts at conversion instead.
 
@@ -214,6 +214,21 @@ def table(rows: list[Timing], ref: list[int]) -> str:
     return "\n".join(lines)
 
 
+def bundled_recipe(work: Path, name: str, edit: dict[str, str | None]) -> Path:
+    """recipes/qwen3-fp32.yaml with pipeline steps replaced by name, or dropped (None)."""
+    lines = []
+    for line in (REPO / "recipes" / "qwen3-fp32.yaml").read_text().splitlines(True):
+        step = line.strip().removeprefix("- ").split(":")[0].split()[0] if line.strip().startswith("- ") else None
+        if step in edit:
+            if edit[step] is not None:
+                lines.append(f"  - {edit[step]}\n")
+            continue
+        lines.append(line)
+    path = work / f"{name}.yaml"
+    path.write_text("".join(lines))
+    return path
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B shapes (48 published)")
@@ -227,6 +242,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--transformers", default="eager",
                     help="comma-separated transformers configurations: eager, default (empty: none)")
     ap.add_argument("--reuse-conversion", action="store_true", help="keep an existing conversion (not timed)")
+    ap.add_argument("--portable", action=argparse.BooleanOptionalAction, default=True,
+                    help="also convert and time the recipe without fuse_moe (experts in standard ONNX ops)")
     ap.add_argument("--int4", action="store_true", help="also calibrate (RTN, data-free) and time a W4A16 model "
                     "whose experts stay int4 in the graph")
     ap.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
@@ -255,35 +272,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(exist_ok=True)
     out = work / f"onnx-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
 
-    conv = None
-    if not (a.reuse_conversion and (out / "manifest.json").is_file()):
-        cmd = ["convert", str(ckpt), "-o", str(out), "--set", f"max_seq_len={a.max_seq_len}",
-               "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]
+    shape = ["--set", f"max_seq_len={a.max_seq_len}", "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]
+
+    def qwen2om(*cmd: str) -> Any:
         print(f"$ qwen2om {' '.join(cmd)} (1-min load average {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-        conv = run_child([sys.executable, "-m", "qwen2om", *cmd])
-        if conv.returncode:
-            raise SystemExit(f"conversion failed (exit {conv.returncode})")
+        run = run_child([sys.executable, "-m", "qwen2om", *cmd])
+        if run.returncode:
+            raise SystemExit(f"{cmd[0]} failed (exit {run.returncode})")
+        print(f"  {cmd[0]}: {run.wall_s:.1f} s, peak RSS {gib(run.peak_rss_bytes)}", file=sys.stderr)
+        return run
+
+    def reuse(path: Path) -> bool:
+        return a.reuse_conversion and (path / "manifest.json").is_file()
+
+    conv = None if reuse(out) else qwen2om("convert", str(ckpt), "-o", str(out), *shape)
     onnx_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
 
     ids = make_prompt(ckpt / "tokenizer.json", a.prompt_tokens)
     common = {"ids": ids, "new_tokens": a.new_tokens, "runs": a.runs, "threads": threads}
-    rows = [time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT fp32", "out": str(out),
-                           "result": str(work / "timing-qwen2om.json")})]
+    rows = [time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT fp32 (experts: com.microsoft MoE)",
+                           "out": str(out), "result": str(work / "timing-qwen2om.json")})]
+    if a.portable:
+        out_p = work / f"onnx-portable-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
+        if not reuse(out_p):
+            qwen2om("convert", str(ckpt), "-o", str(out_p), "--recipe",
+                    str(bundled_recipe(work, "qwen3-fp32-portable", {"fuse_moe": None})), *shape)
+        rows.append(time_in_child({**common, "kind": "qwen2om", "out": str(out_p),
+                                   "name": "qwen2om ORT fp32 (experts: portable standard ops)",
+                                   "result": str(work / "timing-qwen2om-portable.json")}))
     if a.int4:
         w4, out4 = work / f"w4-rtn-{ckpt.name}", work / f"onnx-w4-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
-        if not (a.reuse_conversion and (out4 / "manifest.json").is_file()):
-            recipe = work / "qwen3-fp32-int4-experts.yaml"  # the bundled recipe, experts kept int4
-            recipe.write_text("".join("  - lower_int4: {experts: true}\n" if line.strip() == "- lower_int4" or
-                                      line.strip().startswith("- lower_int4 ") else line for line in
-                                      (REPO / "recipes" / "qwen3-fp32.yaml").read_text().splitlines(True)))
-            for cmd in (["calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force"],
-                        ["convert", str(w4), "-o", str(out4), "--recipe", str(recipe), "--set",
-                         f"max_seq_len={a.max_seq_len}", "--set", f"prefill_chunk={a.prefill_chunk}", "--force"]):
-                print(f"$ qwen2om {' '.join(cmd)}", file=sys.stderr, flush=True)
-                run = run_child([sys.executable, "-m", "qwen2om", *cmd])
-                if run.returncode:
-                    raise SystemExit(f"{cmd[0]} failed (exit {run.returncode})")
-                print(f"  {cmd[0]}: {run.wall_s:.1f} s, peak RSS {gib(run.peak_rss_bytes)}", file=sys.stderr)
+        if not reuse(out4):
+            # The bundled recipe with experts kept int4 in the graph (so not fused: MoE takes float experts).
+            recipe = bundled_recipe(work, "qwen3-fp32-int4-experts", {"lower_int4": "lower_int4: {experts: true}"})
+            qwen2om("calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force")
+            qwen2om("convert", str(w4), "-o", str(out4), "--recipe", str(recipe), *shape)
         rows.append(time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT int4 (RTN g128, experts int4 "
                                    "in the graph)", "out": str(out4), "result": str(work / "timing-qwen2om-w4.json")}))
     else:
@@ -320,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"prefill, experts of one {a.prefill_chunk}-token chunk: dense formulation {dense:.1f} GFLOP vs routed "
         f"work {routed:.1f} GFLOP = E/k = {f.experts}/{f.top_k} = {dense / routed:.0f}x",
     ]
-    for r in rows[2:]:
+    for r in rows[1:]:
         if r.tokens:
             facts.append(f"greedy agreement qwen2om vs {r.name}: {agreement(ref, r.tokens)}, "
                          f"{sum(x == y for x, y in zip(ref, r.tokens, strict=False))}/{len(ref)} positions equal")

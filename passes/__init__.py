@@ -6,6 +6,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     check_weights,
     export_onnx,
     fuse_int4,
+    fuse_moe,
     legalize_ort,
     load_checkpoint,
     lower_fp8,

@@ -42,7 +42,7 @@ STORAGES = ("float8", "bytes")
 WEIGHT_SUFFIX = ".weight_fp8"
 SCALE_SUFFIX = ".weight_fp8_scale"  # scale_inputs finds FP8 scales by this suffix
 FP8_OPSET, FP8_IR = 19, 9
-STACK = re.compile(r"^(model\.layers\.\d+\.mlp)\.(gate_up|down)$")  # SparseMoE's expert stacks
+STACK = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)$")  # SparseMoE's expert stacks
 
 
 def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:

@@ -102,12 +102,13 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class SparseMoE(nn.Module):
-    """Top-k routed experts with static shapes and no data-dependent control flow.
+class RoutedExperts(nn.Module):
+    """The E routed experts of one MoE block, given the router's logits, with static shapes and no
+    data-dependent control flow.
 
-    The router (never quantised) scores E experts in float32, softmax, top-k (renormalised when
-    `norm_topk_prob`). The experts are two stacked parameters, `gate_up` [E, H, 2I] and `down`
-    [E, I, H], written one expert at a time from either on-disk layout. Then, by call shape:
+    Softmax over E in float32, top-k (renormalised when `norm_topk_prob`). The experts are two
+    stacked parameters, `gate_up` [E, H, 2I] and `down` [E, I, H], written one expert at a time
+    from either on-disk layout. Then, by call shape:
 
     - decode (T = 1): Gather the k selected experts' weights ([N, k, H, 2I]) and run only them:
       memory traffic ∝ k experts, not E;
@@ -116,12 +117,15 @@ class SparseMoE(nn.Module):
       read once per chunk; the arithmetic is E/k times the routed work (16× for Qwen3-30B-A3B).
       Gathering per token instead would copy N·k expert matrices per chunk (1,024 for a 128-token
       chunk at top-8), which costs more memory traffic than reading all 128 experts once.
+
+    This is the portable form, in standard ONNX ops only. It is one module (`mlp.experts`) so that
+    a target with a grouped-expert kernel can swap the whole of it: for ONNX Runtime, the
+    `fuse_moe` pass replaces it with `com.microsoft.MoE`, which sorts tokens by expert and costs ∝ k.
     """
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str, *, fused: bool) -> None:
+    def __init__(self, d: ModelDims, w: Weights, p: str, *, fused: bool) -> None:
         super().__init__()
         self.d = d
-        self.gate = Linear(w, f"{p}.gate")
         h, i = d.hidden, d.moe_intermediate
         if fused:
             def gate_up(e: int) -> torch.Tensor:
@@ -139,30 +143,42 @@ class SparseMoE(nn.Module):
         parts = range(d.experts)
         self.gate_up = w.stacked(f"{p}.experts.gate_up", (h, 2 * i), [lambda e=e: gate_up(e) for e in parts])
         self.down = w.stacked(f"{p}.experts.down", (i, h), [lambda e=e: down(e) for e in parts])
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor, t: int) -> torch.Tensor:
+        """x [N, H], logits [N, E] → [N, H]; `t` is the call's sequence length."""
+        d = self.d
+        weight, index = torch.topk(torch.softmax(logits.float(), dim=-1), d.top_k, dim=-1)  # [N, k]
+        if d.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        if t == 1:
+            gu = torch.matmul(x[:, None, None, :], self.gate_up[index])  # [N, k, 1, 2I]
+            g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
+            y = torch.matmul(nn.functional.silu(g) * u, self.down[index])  # [N, k, 1, H]
+            return (y.squeeze(2) * weight[..., None]).sum(dim=1)
+        routing = x.new_zeros(x.shape[0], d.experts).scatter(1, index, weight)  # [N, E]
+        gu = torch.matmul(x[None], self.gate_up)  # [E, N, 2I]
+        g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
+        y = torch.matmul(nn.functional.silu(g) * u, self.down)  # [E, N, H]
+        return (y * routing.T[..., None]).sum(dim=0)
+
+
+class SparseMoE(nn.Module):
+    """Router (a float linear, never quantised) + routed experts (+ Qwen2-MoE's gated shared expert)."""
+
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str, *, fused: bool) -> None:
+        super().__init__()
+        self.d = d
+        self.gate = Linear(w, f"{p}.gate")
+        self.experts = RoutedExperts(d, w, p, fused=fused)
         if arch.shared_expert:
             self.shared_expert = MLP(w, f"{p}.shared_expert")
             self.shared_expert_gate = Linear(w, f"{p}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = self.d
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
-        probs = torch.softmax(self.gate(xf).float(), dim=-1)
-        weight, index = torch.topk(probs, d.top_k, dim=-1)  # [N, k]
-        if d.norm_topk_prob:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
-        weight = weight.to(x.dtype)
-        if t == 1:
-            gu = torch.matmul(xf[:, None, None, :], self.gate_up[index])  # [N, k, 1, 2I]
-            g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
-            y = torch.matmul(nn.functional.silu(g) * u, self.down[index])  # [N, k, 1, H]
-            out = (y.squeeze(2) * weight[..., None]).sum(dim=1)
-        else:
-            routing = x.new_zeros(b * t, d.experts).scatter(1, index, weight)  # [N, E]
-            gu = torch.matmul(xf[None], self.gate_up)  # [E, N, 2I]
-            g, u = gu[..., :d.moe_intermediate], gu[..., d.moe_intermediate:]
-            y = torch.matmul(nn.functional.silu(g) * u, self.down)  # [E, N, H]
-            out = (y * routing.T[..., None]).sum(dim=0)
+        out = self.experts(xf, self.gate(xf), t)
         if hasattr(self, "shared_expert"):
             out = out + self.shared_expert(xf) * torch.sigmoid(self.shared_expert_gate(xf))
         return out.reshape(b, t, h)

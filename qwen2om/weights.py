@@ -44,15 +44,18 @@ class Weights:
     def stacked(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> nn.Parameter:
         """A parameter [len(parts), *shape] whose slice e is `parts[e]()`: written one piece at a
         time, so an expert stack never has to be in memory whole."""
+        self.stack(name, shape, parts)
+        return self.param(name)
+
+    def stack(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> None:
+        """A later pass's [len(parts), *shape] initializer, converted to the compute dtype piece by piece."""
         self.shapes[name] = (len(parts), *shape)
         self.stacks[name] = parts
-        return self.param(name)
 
     def stored_stack(self, name: str, shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> None:
         """Like `stacked`, for a later pass's initializer whose pieces are already in their stored
         form (FP8 bytes): written as produced, never converted to the compute dtype."""
-        self.shapes[name] = (len(parts), *shape)
-        self.stacks[name] = parts
+        self.stack(name, shape, parts)
         self.stored.add(name)
 
     def param(self, name: str, *, transpose: bool = False) -> nn.Parameter:

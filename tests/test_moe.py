@@ -64,48 +64,91 @@ class Router:
         raise AssertionError(f"no prompt under {budget} tokens reaches every expert: {self.coverage(text)}")
 
 
+def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None]) -> str:
+    """A bundled recipe with pipeline lines replaced (by pass name) or dropped (None)."""
+    import importlib.resources
+
+    text = (importlib.resources.files("qwen2om.recipes") / "qwen3-fp32.yaml").read_text()
+    lines = []
+    for line in text.splitlines():
+        step = line.strip().removeprefix("- ").split(":")[0].split()[0] if line.strip().startswith("- ") else None
+        if step in edit:
+            if edit[step] is not None:
+                lines.append(f"  - {edit[step]}")
+            continue
+        lines.append(line)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def moe_out(tmp_path_factory) -> dict[str, Path]:
+    """tiny qwen3/qwen2 MoE as the ORT recipes build them (experts → com.microsoft::MoE), and
+    tiny qwen3 MoE in the portable standard-op form (the recipe without `fuse_moe`)."""
     outs = {}
     for name in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
         outs[name] = tmp_path_factory.mktemp("moe") / name
         convert(f"builtin:{name}", outs[name], overrides=SMALL)
+    tmp = tmp_path_factory.mktemp("portable")
+    outs["portable"] = tmp / "out"
+    convert("builtin:tiny-qwen3-moe", outs["portable"], overrides=SMALL,
+            recipe=recipe_with(tmp, "portable", {"fuse_moe": None}))
     return outs
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe", "portable"])
 def test_verify_moe(moe_out, checkpoint, name: str) -> None:
-    router = Router(checkpoint(name))
+    model = "tiny-qwen3-moe" if name == "portable" else name
+    router = Router(checkpoint(model))
     every = router.every_expert_prompt()
     assert router.coverage(every) == [router.experts] * len(router.model.model.layers)
     same = router(REPEATED)[0]
     assert len({frozenset(s) for s in same[1:]}) == 1, "identical tokens route identically in layer 0"
-    report = verify(moe_out[name], f"builtin:{name}", tokens=32, prompts=[every, REPEATED])
+    report = verify(moe_out[name], f"builtin:{model}", tokens=32, prompts=[every, REPEATED])
     assert report.passed and report.max_abs <= 1e-4 and report.agreement == 1.0
     assert all(p.steps == 32 for p in report.prompts) and report.prompts[0].prompt_tokens > 32  # two chunks
 
 
 def test_moe_graphs_are_static(moe_out) -> None:
     for kind in ("decode", "prefill"):
-        model = onnx.load(moe_out["tiny-qwen3-moe"] / f"model.{kind}.onnx", load_external_data=False)
+        model = onnx.load(moe_out["portable"] / f"model.{kind}.onnx", load_external_data=False)
         ops = {n.op_type for n in model.graph.node}
         assert not ops & {"NonZero", "Loop", "If", "Scan"}, kind
-        assert "TopK" in ops
-        stacked = [i for i in model.graph.initializer if i.name.endswith("mlp.gate_up")]
+        assert "TopK" in ops and all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+        stacked = [i for i in model.graph.initializer if i.name.endswith("mlp.experts.gate_up")]
         assert len(stacked) == 4 and list(stacked[0].dims) == [8, 64, 64]  # [E, H, 2I], one per layer
+
+
+def test_ort_recipe_fuses_experts(moe_out) -> None:
+    """Each layer's routed experts become one com.microsoft::MoE reading the router logits, with
+    gate/up interleaved [E, 2I, H] and down [E, H, I]; the router itself stays a float MatMul."""
+    for kind in ("decode", "prefill"):
+        model = onnx.load(moe_out["tiny-qwen3-moe"] / f"model.{kind}.onnx", load_external_data=False)
+        moe = [n for n in model.graph.node if n.op_type == "MoE"]
+        assert [n.domain for n in moe] == ["com.microsoft"] * 4, kind
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in moe[0].attribute}
+        assert attrs["k"] == 2 and attrs["swiglu_fusion"] == 1 and attrs["normalize_routing_weights"] == 1
+        assert not {n.op_type for n in model.graph.node} & {"TopK", "GatherND", "NonZero"}
+        inits = {i.name: list(i.dims) for i in model.graph.initializer}
+        assert inits["model.layers.3.mlp.experts.fc1"] == [8, 64, 64] and inits["model.layers.3.mlp.experts.fc2"] == [
+            8, 64, 32]
+        assert "model.layers.3.mlp.experts.gate_up" not in inits
+        router = next(n for n in model.graph.node if n.name == "/model/layers.3/mlp/gate/MatMul")
+        assert moe[3].input[1] == router.output[0]
+    manifest = json.loads((moe_out["tiny-qwen2-moe"] / "manifest.json").read_text())
+    stats = next(s["stats"] for s in manifest["stages"] if s["pass"] == "fuse_moe")
+    assert stats == {"fused_layers": 2 * 2, "kept_layers": 0}  # 2 graphs × 2 layers
+    model = onnx.load(moe_out["tiny-qwen2-moe"] / "model.prefill.onnx", load_external_data=False)
+    moe = next(n for n in model.graph.node if n.op_type == "MoE")
+    assert {a.name: a.i for a in moe.attribute}["normalize_routing_weights"] == 0  # qwen2_moe: norm_topk_prob off
+    assert any("shared_expert" in n.name for n in model.graph.node)  # the shared expert stays outside
 
 
 def experts_recipe(tmp_path: Path) -> str:
     """recipes/qwen3-fp32.yaml with quantised experts kept quantised in the graph (off by default)."""
-    import importlib.resources
-
-    text = (importlib.resources.files("qwen2om.recipes") / "qwen3-fp32.yaml").read_text()
-    lines = ["  - lower_int4: {experts: true}" if line.strip().startswith("- lower_int4") else
-             "  - lower_fp8: {experts: true}" if line.strip().startswith("- lower_fp8") else line
-             for line in text.splitlines()]
-    path = tmp_path / "qwen3-experts.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    return recipe_with(tmp_path, "qwen3-experts", {"lower_int4": "lower_int4: {experts: true}",
+                                                   "lower_fp8": "lower_fp8: {experts: true}"})
 
 
 def fused_copy(src: Path, dest: Path) -> Path:
@@ -239,6 +282,9 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     init = {i.name: i for i in decode.graph.initializer}[stack]
     assert init.data_type == onnx.TensorProto.UINT8 and list(init.dims) == [8, 64, 32]  # [E, 2I, H/2]
     assert [n.op_type for n in decode.graph.node if stack in n.input] == ["GatherND"]
+    stages = json.loads((out / "manifest.json").read_text())["stages"]
+    stats = next(s["stats"] for s in stages if s["pass"] == "fuse_moe")
+    assert stats == {"fused_layers": 0, "kept_layers": 2 * 4}  # int4 stacks: left in the portable form
     code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
                             "--json")
     assert code == 0, err

@@ -45,7 +45,7 @@ class ExpertStats:
             xe = x[(index == e).any(-1)]
             if not xe.shape[0]:
                 continue
-            gu = xe @ moe.gate_up[e].float()
+            gu = xe @ moe.experts.gate_up[e].float()
             act = torch.nn.functional.silu(gu[:, :d.moe_intermediate]) * gu[:, d.moe_intermediate:]
             self.gate_up[e] += 2 * xe.T @ xe
             self.down[e] += 2 * act.T @ act
@@ -64,18 +64,18 @@ def expert_weight(moe: SparseMoE, e: int, proj: str) -> torch.Tensor:
     """Expert `e`'s `proj` weight as [out, in] (the stacks hold them transposed)."""
     i = moe.d.moe_intermediate
     if proj == "down":
-        return moe.down.data[e].T
-    return moe.gate_up.data[e][:, :i].T if proj == "gate" else moe.gate_up.data[e][:, i:].T
+        return moe.experts.down.data[e].T
+    return moe.experts.gate_up.data[e][:, :i].T if proj == "gate" else moe.experts.gate_up.data[e][:, i:].T
 
 
 def set_expert_weight(moe: SparseMoE, e: int, proj: str, w: torch.Tensor) -> None:
     i = moe.d.moe_intermediate
     if proj == "down":
-        moe.down.data[e] = w.T.to(moe.down.dtype)
+        moe.experts.down.data[e] = w.T.to(moe.experts.down.dtype)
     elif proj == "gate":
-        moe.gate_up.data[e][:, :i] = w.T.to(moe.gate_up.dtype)
+        moe.experts.gate_up.data[e][:, :i] = w.T.to(moe.experts.gate_up.dtype)
     else:
-        moe.gate_up.data[e][:, i:] = w.T.to(moe.gate_up.dtype)
+        moe.experts.gate_up.data[e][:, i:] = w.T.to(moe.experts.gate_up.dtype)
 
 
 def quantize_experts(moe: SparseMoE, stats: ExpertStats, names: list[str],
