@@ -1,9 +1,11 @@
 """The pipeline's passes, one per module; importing this package registers them all."""
 
 from qwen2om.passes import (  # noqa: F401  (imported for registration)
+    check_ascend,
     check_outputs,
     check_scales,
     check_weights,
+    compile_ascend,
     export_onnx,
     fuse_int4,
     fuse_moe,
@@ -11,6 +13,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     load_checkpoint,
     lower_fp8,
     lower_int4,
+    lower_int4_ascend,
     package,
     scale_inputs,
     static_model,

@@ -7,8 +7,8 @@ string is never written by hand here: it is the manifest's I/O signature, every 
 order, scale inputs included. The reference for every flag is shared/reference/ascend-atc.md.
 
 This module builds the command and its side files (`--keep_dtype`, `--modify_mixlist`, a rerun
-script); it runs nothing. The `--target ascend` pipeline that legalises the graph and calls ATC is
-still to come (issue 7); `parse_input_shape` lets tests and users check a command against a graph.
+script); it runs nothing: the `compile_ascend` pass writes them into OUT/ascend/ and runs `atc`
+when CANN is installed. `parse_input_shape` lets tests and users check a command against a graph.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import shlex
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# `--soc_version` values: "Ascend" + the chip name `npu-smi info` prints.
-SOC = re.compile(r"^Ascend(910B[1-4]|910_93\d*|310P[13]|310B[1-4])$")
 PRECISIONS = ("origin", "mixed_float16", "fp16")
 LOG_LEVELS = ("error", "info", "debug")
 # Ops kept out of fp16 under mixed precision: RMSNorm's statistics, softmax, and the RoPE tables'
@@ -42,9 +40,12 @@ class AtcOptions:
     log: str = "error"
 
     def check(self) -> None:
-        if not SOC.match(self.soc_version):
-            raise AtcError(f"--soc-version {self.soc_version!r} is not an Ascend SoC name ATC takes "
-                           "(Ascend910B1..B4, Ascend910_93xx, Ascend310P1/P3, Ascend310B1..B4; see `npu-smi info`)")
+        from qwen2om.ascend import SocError, soc_info
+
+        try:
+            soc_info(self.soc_version)
+        except SocError as e:
+            raise AtcError(str(e)) from None
         if self.precision not in PRECISIONS:
             raise AtcError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.log not in LOG_LEVELS:

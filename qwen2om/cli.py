@@ -94,7 +94,16 @@ def convert(
                                                      "limit)")] = None,
     prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="static batch size (default 1)")] = None,
-    target: Annotated[str | None, typer.Option(help="compile target: ort")] = None,
+    target: Annotated[str | None, typer.Option(help="compile target: ort (ONNX Runtime, default) or ascend (ATC "
+                                               "offline model; default dtype fp16)")] = None,
+    soc_version: Annotated[str | None, typer.Option("--soc-version", help="--target ascend: the Ascend SoC, as "
+                                                    "`npu-smi info` names it (e.g. Ascend910B3, Ascend310P3, "
+                                                    "Ascend310B1); implies --target ascend")] = None,
+    precision: Annotated[str | None, typer.Option(help="--target ascend: ATC --precision_mode_v2: origin (keep "
+                                                  "the graph's dtypes, default), mixed_float16 or fp16")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="--target ascend: write OUT/ascend/ (the atc "
+                                          "commands and their files) without running atc, even if CANN is "
+                                          "installed")] = False,
     scales: Annotated[str | None, typer.Option(help="quantised checkpoints: inputs (each weight's scale a graph "
                                                "input `<weight>.scale`, with scale_map.json + scales.safetensors), "
                                                "constants, or auto (default: inputs for FP8, constants for int4)"
@@ -121,8 +130,12 @@ def convert(
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     overrides = list(set_ or [])
+    if soc_version is not None and target is None:
+        target = "ascend"
     for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
-                       ("batch_size", batch_size), ("target", target), ("scales", scales)):
+                       ("batch_size", batch_size), ("target", target), ("scales", scales),
+                       ("soc_version", soc_version), ("precision", precision),
+                       ("compile", "dry-run" if dry_run else None)):
         if value is not None:
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:
@@ -307,12 +320,21 @@ def inspect(
     path: Annotated[str, typer.Argument(help="a qwen2om output directory, an .onnx file, or a checkpoint directory "
                                         "(or builtin:NAME)")],
     as_json: Annotated[bool, typer.Option("--json", help="print everything as JSON")] = False,
+    check: Annotated[str | None, typer.Option("--check", help="ascend: list every node or tensor ATC would "
+                                              "reject, with the reason; exit code 1 when there is any")] = None,
+    soc_version: Annotated[str | None, typer.Option("--soc-version", help="with --check ascend: also check what "
+                                                    "this SoC cannot run (e.g. int4 matmuls on Ascend310B1)")] = None,
 ) -> None:
     """What a conversion produced: graph inputs/outputs with roles, ops, weights by dtype, and every
-    scale input with the layer and module it feeds (or, for a checkpoint, its quantisation)."""
+    scale input with the layer and module it feeds (or, for a checkpoint, its quantisation).
+
+    With --check ascend: only the ATC legality check (exit 0: legal, 1: problems listed)."""
     from qwen2om.inspect import grouped_io
     from qwen2om.inspect import inspect as run_inspect
 
+    if check is not None:
+        print_check(path, check, soc_version, as_json)
+        return
     info = run_inspect(path)
     if as_json:
         print(json.dumps(info, indent=2))
@@ -352,6 +374,28 @@ def inspect(
     if info.get("scale_ranges"):
         out_console.print("scale range per layer: " + "; ".join(
             f"{r['layer']}: {r['min']:.3g}…{r['max']:.3g}" for r in info["scale_ranges"]))
+
+
+def print_check(path: str, target: str, soc_version: str | None, as_json: bool) -> None:
+    from qwen2om.builtin import resolve_model
+    from qwen2om.inspect import check_graphs
+
+    found = check_graphs(resolve_model(path), target, soc_version)
+    total = sum(len(v) for v in found.values())
+    if as_json:
+        print(json.dumps({"check": target, "soc_version": soc_version, "problems": found}, indent=2))
+    elif not total:
+        out_console.print(f"[green]✓[/] {path}: no construct ATC is known to reject ({', '.join(found)})")
+    else:
+        table = Table(title=f"{path}: {total} construct(s) ATC would reject")
+        for col in ("graph", "node / tensor", "what", "why"):
+            table.add_column(col, overflow="fold")
+        for kind, items in found.items():
+            for p in items:
+                table.add_row(kind, p["where"], p["what"], p["reason"])
+        out_console.print(table)
+    if total:
+        raise typer.Exit(1)
 
 
 def print_fp8_report(model: str, out: Path, r: dict) -> None:

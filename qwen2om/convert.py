@@ -18,7 +18,7 @@ from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.write_onnx import graph_file
 from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
-from qwen2om.recipe import DTYPES, Recipe, apply_overrides, load_recipe
+from qwen2om.recipe import DTYPES, TARGETS, Recipe, apply_overrides, load_recipe
 
 LAYOUT = {
     "kv_cache": "BNSD: [batch, kv_heads, capacity, head_dim]; outputs hold the T new tokens only",
@@ -44,10 +44,17 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
     arch = resolve_arch(cfg, str(cfg_path))
     dims = ModelDims.from_config(cfg, str(cfg_path))
     if recipe is None:
-        dtype = next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith("dtype=")), "fp32")
+        def given(key: str, default: str) -> str:
+            return next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith(f"{key}=")), default)
+
+        target = given("target", "ort")
+        dtype = given("dtype", "fp16" if target == "ascend" else "fp32")  # the NPU computes in fp16
         if dtype not in DTYPES:
             raise RecipeError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        recipe = f"{arch.recipe or arch.name}-{dtype}"
+        if target not in TARGETS:
+            raise RecipeError(f"target={target!r} is not one of {', '.join(TARGETS)}")
+        family = arch.recipe or arch.name
+        recipe = f"{family}-ascend-{dtype}" if target == "ascend" else f"{family}-{dtype}"
     r = apply_overrides(load_recipe(recipe), overrides)
     return r.resolved(dims.max_positions), dims
 

@@ -41,9 +41,9 @@ class Scorer:
         self.engine: Any = None
         self.model: Any = None
         if (self.path / MANIFEST).is_file():
-            from qwen2om.runtime.standalone import Engine
+            from qwen2om.kernels.ascend import cpu_engine
 
-            self.engine = Engine(self.path)
+            self.engine = cpu_engine(self.path)  # Ascend-target outputs run through the reference kernels
         elif (self.path / "config.json").is_file():
             from qwen2om.verify import load_reference
 

@@ -103,3 +103,36 @@ def grouped_io(ios: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.setdefault(key, {"name": key[0], "dtype": key[1], "shape": key[2], "role": key[3], "count": 0})
         rows[key]["count"] += 1
     return list(rows.values())
+
+
+CHECKS = ("ascend",)
+
+
+def check_graphs(path: Path | str, target: str, soc_version: str | None = None) -> dict[str, list[dict[str, str]]]:
+    """`--check ascend`: graph → every construct ATC would reject, with the reason (qwen2om/ascend.py).
+
+    PATH is an output directory (each graph of its manifest) or one .onnx file; graphs are read
+    without their external data."""
+    import onnx_ir as ir
+
+    from qwen2om.ascend import problems, soc_info
+
+    if target not in CHECKS:
+        raise Qwen2omError(f"--check {target!r}: the checks are {', '.join(CHECKS)}")
+    soc = soc_info(soc_version) if soc_version else None
+    path = Path(path)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        files = {kind: path / spec["file"] for kind, spec in manifest["graphs"].items()}
+    elif path.is_file() and path.suffix == ".onnx":
+        files = {path.name: path}
+    else:
+        raise Qwen2omError(f"{path}: --check needs a qwen2om output directory or an .onnx file")
+    found = {}
+    for kind, f in files.items():
+        try:
+            model = ir.serde.deserialize_model(onnx.load(str(f), load_external_data=False))
+        except Exception as e:  # onnx raises DecodeError, OSError, ValueError… for a bad file
+            raise Qwen2omError(f"{f}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+        found[kind] = [{"where": p.where, "what": p.what, "reason": p.reason} for p in problems(model, soc)]
+    return found

@@ -14,11 +14,14 @@ from typing import Any
 
 import yaml
 
-from qwen2om.errors import RecipeError
+from qwen2om.errors import Qwen2omError, RecipeError
 
 AUTO = "auto"
 DTYPES = ("fp32", "fp16")
-TARGETS = ("ort",)
+TARGETS = ("ort", "ascend")
+PRECISIONS = ("origin", "mixed_float16", "fp16")  # ATC --precision_mode_v2
+WEIGHT_STORAGE = ("auto", "int8")
+COMPILE = ("auto", "dry-run")
 LOGITS = ("last", "all")
 SCALES = ("auto", "constants", "inputs")
 
@@ -39,6 +42,11 @@ class Recipe:
     scales: str = "auto"  # quantisation scales as graph inputs (scale_map.json) or constants; auto: inputs for FP8
     opset: int = 18
     ir_version: int = 8
+    # target ascend only:
+    soc_version: str = ""  # ATC --soc_version, e.g. Ascend910B3
+    precision: str = "origin"  # ATC --precision_mode_v2: origin keeps the graph's dtypes
+    weight_storage: str = "auto"  # int8: int4 weights stored as int8 + AscendAntiQuant (310B: W8A16)
+    compile: str = "auto"  # auto: run atc when CANN is installed; dry-run: write the commands only
     name: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,6 +62,10 @@ class Recipe:
         c = min(128, p) if self.prefill_chunk == AUTO else int(self.prefill_chunk)
         r = dataclasses.replace(self, max_seq_len=p, prefill_chunk=c)
         r.check()
+        if r.target == "ascend" and not r.soc_version:
+            from qwen2om.ascend import KNOWN
+
+            raise RecipeError(f"target=ascend needs --soc-version (the chip `npu-smi info` names; known: {KNOWN})")
         return r
 
     def check(self) -> None:
@@ -65,6 +77,19 @@ class Recipe:
         one_of("target", TARGETS)
         one_of("logits", LOGITS)
         one_of("scales", SCALES)
+        one_of("precision", PRECISIONS)
+        one_of("weight_storage", WEIGHT_STORAGE)
+        one_of("compile", COMPILE)
+        if self.target == "ascend" and self.soc_version:  # required, but only once overrides are in (resolved)
+            from qwen2om.ascend import soc_info
+
+            try:
+                soc_info(self.soc_version)
+            except Qwen2omError as e:
+                raise RecipeError(str(e)) from None
+        elif self.soc_version:
+            raise RecipeError(f"soc_version={self.soc_version!r} is for target=ascend (this recipe's target is "
+                              f"{self.target}): add --target ascend")
         for field in ("max_seq_len", "prefill_chunk", "batch_size"):
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):

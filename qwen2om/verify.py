@@ -17,6 +17,7 @@ import torch
 
 from qwen2om.builtin import resolve_model
 from qwen2om.errors import Qwen2omError
+from qwen2om.kernels.ascend import cpu_engine
 from qwen2om.output import read_manifest
 from qwen2om.runtime.standalone import Engine
 
@@ -169,7 +170,7 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
 
     transformers.utils.logging.disable_progress_bar()
     manifest = read_manifest(out)
-    engine = Engine(out)
+    engine = cpu_engine(out)  # an Ascend-target output runs through the reference kernels
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")

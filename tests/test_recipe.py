@@ -17,8 +17,23 @@ def test_bundled_recipes_load_and_resolve() -> None:
     for name in names:
         r = load_recipe(name)
         assert r.family in ("qwen2", "qwen3")
+        if r.target == "ascend":  # the SoC is the user's to name
+            with pytest.raises(RecipeError, match="needs --soc-version"):
+                r.resolved(max_positions=4096)
+            r = apply_overrides(r, ["soc_version=Ascend910B3"])
         resolved = r.resolved(max_positions=4096)
         assert resolved.max_seq_len == 2048 and resolved.prefill_chunk == 128
+
+
+def test_ascend_recipe_fields() -> None:
+    r = load_recipe("qwen3-ascend-fp16")
+    assert (r.target, r.dtype, r.precision, r.compile, r.weight_storage) == ("ascend", "fp16", "origin", "auto", "auto")
+    with pytest.raises(RecipeError, match="Ascend910B1..B4"):
+        apply_overrides(r, ["soc_version=Ascend999"])
+    with pytest.raises(RecipeError, match="precision='bf16' is not one of origin, mixed_float16, fp16"):
+        apply_overrides(r, ["soc_version=Ascend310P3", "precision=bf16"])
+    with pytest.raises(RecipeError, match="for target=ascend"):
+        apply_overrides(load_recipe("qwen3-fp16"), ["soc_version=Ascend910B3"])
 
 
 def test_auto_respects_model_limit() -> None:

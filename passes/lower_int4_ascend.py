@@ -1,0 +1,168 @@
+"""Lower int4-quantised linears for the Ascend target (ONNX Runtime's are `lower_int4`'s).
+
+Up to here a quantised linear is `MatMul(x, W)` with W read from the checkpoint (target-neutral).
+Which Ascend form it becomes depends on the SoC (qwen2om/ascend.py, SOCS):
+
+- **910B / 910_93 / 310P: `npu::WeightQuantBatchMatmulV2`**, CANN's weight-only quantised matmul,
+  reached from ONNX through its parser plugin (origin type "npu::1::WeightQuantBatchMatmulV2"):
+
+      Reshape(x → [M, K]) → WQBMM(x, W [K, N/8] int32, Transpose(S) [K/g, N], offset [K/g, N])
+                          → Reshape([.., N])
+
+  W holds the int4 values two's complement, 8 per int32 along N (kernels/ascend.py,
+  pack_int4_int32; the layout torch_npu's int4 packing uses). The op adds its offset, so
+  offset = −zero point; symmetric checkpoints have none. `antiquant_group_size` = the group.
+  S is stored [N, K/g] as in the checkpoint and transposed in the graph (ATC folds the
+  Transpose of a constant), so `scale_inputs` can make it the `<weight>.scale` input unchanged.
+- **310B-class SoCs: no int4 matmul.** With `weight_storage: int8` (explicit consent, see below)
+  the same int4 values are stored one per int8 byte and dequantised by `AscendAntiQuant`
+  (int8 → fp16) + per-group offset and scale + MatMul: **W8A16 storage**, twice the weight bytes
+  of int4, the same numbers. Without consent the conversion stops (Ascend310B has no W4A16).
+
+The activations must be fp16 (WeightQuantBatchMatmulV2 takes fp16/bf16 x): an fp32 graph with
+int4 weights is refused with the fix named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from qwen2om.ascend import soc_info
+from qwen2om.errors import Qwen2omError
+from qwen2om.kernels.ascend import NPU_DOMAIN, WQBMM, pack_int4_int32
+from qwen2om.passes.lower_fp8 import const, derived_initializer
+from qwen2om.passes.lower_int4 import NBITS_SCALE
+from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.quantized import Int4Weight
+from qwen2om.weights import WeightRef
+
+
+@register
+class LowerInt4Ascend:
+    """Quantised MatMuls → npu::WeightQuantBatchMatmulV2 (W4A16) or int8 + AscendAntiQuant (W8A16, 310B)."""
+
+    name: ClassVar[str] = "lower_int4_ascend"
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("int4_lowered",)
+
+    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+        ckpt = ws.need("checkpoint")
+        weights, bindings = ws.need("weights")
+        ws["int4_lowered"] = True
+        if not any(q.kind == "int4" for q in ckpt.quantized.values()):
+            return PassResult(False, {"lowered": 0})
+        r = ctx.recipe
+        soc = soc_info(r.soc_version)
+        form = "wqbmm" if soc.w4a16 else "antiquant"
+        if form == "antiquant" and r.weight_storage != "int8":
+            raise Qwen2omError(
+                f"{r.soc_version} has no int4 weight-quantised matmul (WeightQuantBatchMatmulV2 runs on 910B, "
+                "910_93 and 310P), so this W4A16 checkpoint cannot run there as int4. Rerun with "
+                "--set weight_storage=int8 to store the same int4 values as int8 and dequantise them with "
+                "AscendAntiQuant (W8A16: twice the weight memory of int4), or choose a 910B/310P --soc-version.")
+        if weights.dtype != torch.float16:
+            raise Qwen2omError("int4 weights on Ascend need fp16 activations (WeightQuantBatchMatmulV2 takes fp16 "
+                               "x): convert with --dtype fp16")
+        lowered = 0
+        for model in ws.need("graphs").values():
+            graph = model.graph
+            for node in list(graph):
+                if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+                    continue
+                w = node.inputs[1]
+                ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
+                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
+                if not isinstance(q, Int4Weight):
+                    continue
+                nodes: list[ir.Node] = []
+                x = node.inputs[0]
+                out = node.outputs[0]
+                y = (self.wqbmm if form == "wqbmm" else self.antiquant)(graph, nodes, q, x, ckpt, weights, bindings)
+                graph.insert_before(node, nodes)
+                y.shape, y.type = out.shape, out.type
+                if out.is_graph_output():
+                    graph.outputs[list(graph.outputs).index(out)] = y
+                out.replace_all_uses_with(y)
+                name = out.name
+                graph.remove(node, safe=True)
+                y.name = name
+                if not w.uses():
+                    graph.initializers.pop(w.name)
+                lowered += 1
+            if form == "wqbmm":
+                model.opset_imports[NPU_DOMAIN] = 1
+        return PassResult(True, {"lowered": lowered, "form": form, "soc": r.soc_version})
+
+    # -- the two forms -------------------------------------------------------------------------
+    @staticmethod
+    def op(nodes: list[ir.Node], name: str, kind: str, *inputs: ir.Value | None, domain: str = "",
+           **attrs: Any) -> ir.Value:
+        node = ir.Node(domain, kind, list(inputs), [_attr(k, v) for k, v in attrs.items()], num_outputs=1,
+                       name=name)
+        nodes.append(node)
+        return node.outputs[0]
+
+    def operands(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, ckpt: Any, weights: Any,
+                 bindings: dict[str, WeightRef]) -> tuple[ir.Value, ir.Value | None]:
+        """S [K/g, N] (via a Transpose of the checkpoint-shaped [N, K/g] initializer) and offset = −zp."""
+        p = f"/{q.base.replace('.', '/')}"
+        s = derived_initializer(graph, bindings, weights, f"{q.base}{NBITS_SCALE}", ir.DataType.FLOAT16,
+                                [q.n, q.k // q.group], lambda q=q: q.unpacked(ckpt)[1].to(torch.float16))
+        scale = self.op(nodes, f"{p}/scale/Transpose", "Transpose", s, perm=[1, 0])
+        scale.shape, scale.type = ir.Shape([q.k // q.group, q.n]), ir.TensorType(ir.DataType.FLOAT16)
+        offset = None
+        if q.has_zero_point:
+            offset = derived_initializer(graph, bindings, weights, f"{q.base}.weight_ascend_offset",
+                                         ir.DataType.FLOAT16, [q.k // q.group, q.n],
+                                         lambda q=q: (-q.unpacked(ckpt)[2].float()).T.contiguous().to(torch.float16))
+        return scale, offset
+
+    def wqbmm(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
+              bindings: dict[str, WeightRef]) -> ir.Value:
+        p = f"/{q.base.replace('.', '/')}"
+        words = -(-q.n // 8)
+        packed = derived_initializer(graph, bindings, weights, f"{q.base}.weight_int4x8", ir.DataType.INT32,
+                                     [q.k, words], lambda q=q: torch.from_numpy(
+                                         pack_int4_int32(q.unpacked(ckpt)[0].T.numpy())))
+        scale, offset = self.operands(graph, nodes, q, ckpt, weights, bindings)
+        flat = self.op(nodes, f"{p}/Reshape", "Reshape", x, const(graph, f"shape[-1,{q.k}]",
+                                                                   np.array([-1, q.k], np.int64)))
+        y = self.op(nodes, f"{p}/{WQBMM}", WQBMM, flat, packed, scale, offset, domain=NPU_DOMAIN,
+                    antiquant_group_size=q.group, dtype=-1)
+        lead = [int(d) for d in x.shape[:-1]] if x.shape is not None else [-1]
+        return self.op(nodes, f"{p}/Reshape_1", "Reshape", y,
+                       const(graph, f"shape{lead + [q.n]}", np.array([*lead, q.n], np.int64)))
+
+    def antiquant(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
+                  bindings: dict[str, WeightRef]) -> ir.Value:
+        p = f"/{q.base.replace('.', '/')}"
+        stored = derived_initializer(graph, bindings, weights, f"{q.base}.weight_int8", ir.DataType.INT8,
+                                     [q.k, q.n], lambda q=q: q.unpacked(ckpt)[0].T.contiguous())
+        w = self.op(nodes, f"{p}/AscendAntiQuant", "AscendAntiQuant", stored, scale=1.0, offset=0.0, dtype=1,
+                    sqrt_mode=0)
+        scale, offset = self.operands(graph, nodes, q, ckpt, weights, bindings)
+        if offset is not None:
+            w = self.op(nodes, f"{p}/offset/Add", "Add", w, self.per_row(graph, nodes, f"{p}/offset", offset, q))
+        w = self.op(nodes, f"{p}/scale/Mul", "Mul", w, self.per_row(graph, nodes, f"{p}/scale", scale, q))
+        return self.op(nodes, f"{p}/MatMul", "MatMul", x, w)
+
+    def per_row(self, graph: ir.Graph, nodes: list[ir.Node], p: str, v: ir.Value, q: Int4Weight) -> ir.Value:
+        """[K/g, N] → [K, N]: each group's row repeated g times (K is a multiple of g for int4 checkpoints)."""
+        groups = q.k // q.group
+        e = self.op(nodes, f"{p}/Unsqueeze", "Unsqueeze", v, const(graph, "axes[1]", np.array([1], np.int64)))
+        e = self.op(nodes, f"{p}/Expand", "Expand", e, const(graph, f"shape[{groups},{q.group},{q.n}]",
+                                                              np.array([groups, q.group, q.n], np.int64)))
+        return self.op(nodes, f"{p}/Reshape", "Reshape", e, const(graph, f"shape[{q.k},{q.n}]",
+                                                                   np.array([q.k, q.n], np.int64)))
+
+
+def _attr(name: str, value: Any) -> ir.Attr:
+    if isinstance(value, float):
+        return ir.AttrFloat32(name, value)
+    if isinstance(value, list):
+        return ir.AttrInt64s(name, value)
+    return ir.AttrInt64(name, int(value))

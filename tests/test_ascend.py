@@ -1,0 +1,190 @@
+"""The Ascend target: ATC-legal graphs, the exact atc invocation in OUT/ascend/, CPU runs through
+the reference kernels (kernels/ascend.py), and the bad inputs of issue 7."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qwen2om.ascend import problems
+from qwen2om.atc import parse_input_shape
+from qwen2om.convert import convert
+from qwen2om.verify import verify
+
+SMALL = ["max_seq_len=256", "prefill_chunk=32"]
+GOLDEN = Path(__file__).parent / "golden" / "ascend"
+FILES = ("compile.sh", "atc_commands.json", "keep_dtype.cfg", "modify_mixlist.json")
+
+
+@pytest.fixture(scope="module")
+def w4(tmp_path_factory) -> Path:
+    """tiny-qwen3 calibrated W4A16 (RTN, group 32, symmetric), as compressed-tensors."""
+    from qwen2om.quant.calibrate import CalibrationConfig, calibrate
+
+    out = tmp_path_factory.mktemp("w4") / "ckpt"
+    calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="rtn", group_size=32, num_samples=8, seq_len=64))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ascend_out(tmp_path_factory, w4) -> dict[str, Path]:
+    """Ascend conversions (no CANN here: dry-run semantics): float fp16 qwen2/qwen3, W4A16, FP8."""
+    outs = {}
+    for name, model, soc in (("qwen3-fp16", "builtin:tiny-qwen3", "Ascend910B3"),
+                             ("qwen2-fp16", "builtin:tiny-qwen2", "Ascend910B3"),
+                             ("qwen3-w4a16", str(w4), "Ascend910B3"),
+                             ("qwen3-fp8", "builtin:tiny-qwen3-fp8", "Ascend310P3")):
+        outs[name] = tmp_path_factory.mktemp("ascend") / name
+        convert(model, outs[name], overrides=[*SMALL, "target=ascend", f"soc_version={soc}"])
+    return outs
+
+
+@pytest.mark.parametrize("name", ["qwen3-fp16", "qwen2-fp16", "qwen3-w4a16", "qwen3-fp8"])
+def test_ascend_outputs_are_legal_and_list_every_input(ascend_out, name: str) -> None:
+    out = ascend_out[name]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["target"] == "ascend" and manifest["recipe"]["dtype"] == "fp16"
+    stats = {s["pass"]: s["stats"] for s in manifest["stages"]}
+    assert stats["check_ascend"]["problems"] == 0 and stats["compile_ascend"]["atc"] == "not found"
+    commands = json.loads((out / "ascend" / "atc_commands.json").read_text())["compile"]
+    assert len(commands) == len(manifest["graphs"]) == 2
+    for cmd, (kind, spec) in zip(commands, manifest["graphs"].items(), strict=True):
+        model = onnx.load(out / spec["file"], load_external_data=False)
+        assert not problems(ir.serde.deserialize_model(model))
+        assert model.ir_version == 8 and {o.domain: o.version for o in model.opset_import}[""] <= 18
+        # parsed back, --input_shape names every graph input exactly once, with its real shape
+        shapes = parse_input_shape(next(a for a in cmd if a.startswith("--input_shape=")).split("=", 1)[1])
+        real = [(i.name, tuple(d.dim_value for d in i.type.tensor_type.shape.dim)) for i in model.graph.input]
+        assert shapes == real, kind
+        assert f"--model=../{spec['file']}" in cmd and f"--output=model.{kind}" in cmd
+        assert next(a for a in cmd if a.startswith("--out_nodes=")) == "--out_nodes=" + ";".join(
+            o.name for o in model.graph.output)
+    ops = {n.op_type for n in onnx.load(out / "model.decode.onnx", load_external_data=False).graph.node}
+    if name == "qwen3-w4a16":
+        assert "WeightQuantBatchMatmulV2" in ops and "MatMulNBits" not in ops
+    if name == "qwen3-fp8":  # e4m3 bytes decoded by a table Gather: no float8 tensor for the parser
+        assert len([i for i in manifest["graphs"]["decode"]["inputs"] if i["role"] == "scale"]) == 4 * 7
+
+
+@pytest.mark.parametrize("name", ["qwen3-fp16", "qwen3-w4a16", "qwen3-fp8"])
+def test_golden_atc_files(ascend_out, name: str) -> None:
+    """The command line and the files it names, byte for byte (regenerate with QWEN2OM_GOLDEN=1)."""
+    for f in FILES:
+        got = (ascend_out[name] / "ascend" / f).read_text()
+        golden = GOLDEN / name / f
+        if os.environ.get("QWEN2OM_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(got)
+        assert got == golden.read_text(), f"{name}/{f}"
+
+
+@pytest.mark.parametrize(("name", "reference"), [("qwen3-fp16", "builtin:tiny-qwen3"), ("qwen3-w4a16", None),
+                                                 ("qwen3-fp8", "builtin:tiny-qwen3-fp8")])
+def test_verify_through_reference_kernels(ascend_out, w4, name: str, reference: str | None) -> None:
+    """The Ascend-bound graphs run on CPU with each Ascend op decomposed, and match the reference
+    (fp16 graphs: all greedy tokens, as for the ort target)."""
+    report = verify(ascend_out[name], reference or w4, tokens=16)
+    assert report.passed and report.agreement == 1.0 and report.max_abs < 2e-2
+
+
+def test_310b_needs_consent_for_w8a16(w4, tmp_path: Path, cli) -> None:
+    code, _, err = cli("convert", w4, "-o", tmp_path / "out", "--soc-version", "Ascend310B1", "--max-seq-len", "256")
+    assert code != 0 and "weight_storage=int8" in err and "W8A16" in err
+    assert not (tmp_path / "out").exists()
+    out = tmp_path / "w8"
+    convert(w4, out, overrides=[*SMALL, "target=ascend", "soc_version=Ascend310B1", "weight_storage=int8"])
+    decode = onnx.load(out / "model.decode.onnx", load_external_data=False)
+    ops = [n.op_type for n in decode.graph.node]
+    assert ops.count("AscendAntiQuant") == 4 * 7 and "WeightQuantBatchMatmulV2" not in ops
+    assert {i.name: i.data_type for i in decode.graph.initializer}[
+        "model.layers.0.mlp.down_proj.weight_int8"] == TensorProto.INT8
+    report = verify(out, w4, tokens=8, prompts=["The tiny model"])
+    assert report.passed and report.agreement == 1.0
+    code, stdout, _ = cli("inspect", out, "--check", "ascend", "--soc-version", "Ascend310B1", "--json")
+    assert code == 0 and json.loads(stdout)["problems"] == {"decode": [], "prefill": []}
+
+
+def test_unknown_soc_and_int4_in_fp32(w4, tmp_path: Path, cli) -> None:
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "a", "--soc-version", "Ascend999")
+    assert code != 0 and "Ascend910B1..B4" in err and "Ascend310B1..B4" in err
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "a", "--target", "ascend")
+    assert code != 0 and "needs --soc-version" in err
+    code, _, err = cli("convert", w4, "-o", tmp_path / "b", "--soc-version", "Ascend910B3", "--dtype", "fp32",
+                       "--max-seq-len", "256")
+    assert code != 0 and "--dtype fp16" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_checker_lists_every_problem(tmp_path: Path, cli, converted) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
+    nodes = [helper.make_node("Trilu", ["x"], ["t"], name="mask/Trilu"),
+             helper.make_node("Cast", ["t"], ["q"], to=TensorProto.INT8, name="q/Cast"),
+             helper.make_node("Cast", ["t"], ["b"], to=TensorProto.BFLOAT16, name="b/Cast"),
+             helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", name="mm")]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+                              [numpy_helper.from_array(np.zeros((4, 1, 2), np.uint8), "w"),
+                               numpy_helper.from_array(np.ones(4, np.float32), "s"),
+                               helper.make_tensor("bf", TensorProto.BFLOAT16, [2], [1.0, 2.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, path)
+    code, stdout, _ = cli("inspect", path, "--check", "ascend", "--json")
+    found = json.loads(stdout)["problems"]["bad.onnx"]
+    assert code == 1
+    assert {(p["where"], p["what"]) for p in found} >= {
+        ("model", "opset 19"), ("model", "domain com.microsoft"), ("mask/Trilu", "Trilu"),
+        ("q/Cast", "Cast to int8"), ("b/Cast", "Cast to BFLOAT16"), ("bf", "BFLOAT16"),
+        ("mm", "com.microsoft::MatMulNBits")}
+    ort_out = converted("tiny-qwen3", "fp32")  # an ONNX Runtime output is legal float ONNX: passes
+    assert cli("inspect", ort_out, "--check", "ascend")[0] == 0
+
+
+def fake_atc(bin_dir: Path, body: str) -> None:
+    bin_dir.mkdir()
+    atc = bin_dir / "atc"
+    atc.write_text("#!/usr/bin/env bash\n" + body)
+    atc.chmod(atc.stat().st_mode | stat.S_IXUSR)
+
+
+def test_atc_runs_when_installed(tmp_path: Path, monkeypatch) -> None:
+    """With `atc` on PATH the compile runs from OUT/ascend/, its logs are kept, each .om and its
+    --mode=1 JSON are written; --dry-run leaves atc alone."""
+    fake_atc(tmp_path / "bin", 'echo "atc $*" >> calls.txt\n'
+                               'for a in "$@"; do case $a in --output=*) touch "${a#--output=}.om";; '
+                               '--json=*) echo "{}" > "${a#--json=}";; esac; done\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    out = tmp_path / "out"
+    convert("builtin:tiny-qwen3", out, overrides=[*SMALL, "target=ascend", "soc_version=Ascend910B3"])
+    d = out / "ascend"
+    assert (d / "model.decode.om").is_file() and (d / "model.prefill.om").is_file()
+    assert json.loads((d / "model.decode.json").read_text()) == {}
+    assert (d / "atc.decode.log").is_file()
+    calls = (d / "calls.txt").read_text().splitlines()
+    assert len(calls) == 4 and "--soc_version=Ascend910B3" in calls[0] and "--mode=1 --om=model.decode.om" in calls[1]
+    stats = next(s["stats"] for s in json.loads((out / "manifest.json").read_text())["stages"]
+                 if s["pass"] == "compile_ascend")
+    assert stats["compiled"] == 2
+    dry = tmp_path / "dry"
+    convert("builtin:tiny-qwen3", dry, overrides=[*SMALL, "target=ascend", "soc_version=Ascend910B3",
+                                                  "compile=dry-run"])
+    assert not list((dry / "ascend").glob("*.om")) and not (dry / "ascend" / "calls.txt").exists()
+
+
+def test_atc_failure_surfaces_its_errors(tmp_path: Path, monkeypatch, cli) -> None:
+    fake_atc(tmp_path / "bin", 'echo "ATC start working now"\n'
+                               'echo "E19010: No parser is registered for Op [/m/Foo, optype [ai.onnx::18::Foo]]."\n'
+                               "exit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "out", "--soc-version", "Ascend910B3",
+                       "--max-seq-len", "256")
+    assert code != 0 and "E19010: No parser is registered" in err and "OUT was not written" in err
+    assert not (tmp_path / "out").exists()
