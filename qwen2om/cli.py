@@ -465,6 +465,37 @@ def eval_agree(
                       f"({r.windows} windows of {r.window}) of {r.dataset}")
 
 
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="print the checks as JSON")] = False,
+) -> None:
+    """What this machine can do: Python packages, CANN, atc, pyACL, npu-smi, torch-npu, graphviz.
+
+    Each line is ok, missing (some commands need it; the line says which) or problem.
+
+    A problem is installs that contradict each other, e.g. torch-npu without CANN (breaks `import torch`).
+
+    Exit code: 0, or 1 when any problem is found; missing tools alone never fail.
+    """
+    from qwen2om.doctor import diagnose
+
+    report = diagnose()
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        table = Table(title="qwen2om doctor")
+        for col in ("check", "status", "found", "needed for"):
+            table.add_column(col, overflow="fold")
+        colour = {"ok": "green", "missing": "yellow", "problem": "red"}
+        for c in report.checks:
+            table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.detail, c.needed_for)
+        out_console.print(table)
+        if report.problems:
+            out_console.print(f"[red]{len(report.problems)} problem(s):[/] "
+                              + "; ".join(c.name for c in report.problems))
+    raise typer.Exit(report.exit_code)
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit non-zero; Ctrl-C exits cleanly."""
     from qwen2om.environment import torch_npu_without_cann
