@@ -22,9 +22,9 @@ What it does (artefacts cached under `--workdir`):
 5. a markdown table and the facts (`--json PATH` for every number).
 
 With `--int4`: `qwen2om calibrate CKPT --method rtn` (data-free, group 128; every expert on its own),
-converted with `lower_int4: {experts: true}` (experts kept int4 in the graph, so not fused: packed byte stacks,
-decode gathers the routed experts' bytes and dequantises only those; attention linears are
-MatMulNBits), and timed the same way. The default recipe dequantises experts at conversion instead.
+converted with the bundled recipe (attention linears MatMulNBits; each layer's experts int4 in one
+`com.microsoft::QMoE`, the checkpoint's bytes as stored), and timed the same way. By default the
+fp32 model is also converted without `fuse_moe` (`--no-portable` skips it): the standard-op form.
 
     .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
 """
@@ -46,7 +46,7 @@ from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_
 
 PRESET = "qwen3-30b-a3b"
 FP32 = 4
-INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in the graph)"
+INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in QMoE)"
 # transformers configurations by name: (attn_implementation, experts_implementation); None = library default
 TRANSFORMERS = {"eager": ("eager", "eager"), "default": (None, None)}
 
@@ -302,13 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "result": str(work / "timing-qwen2om-portable.json")}))
     if a.int4:
         w4, out4 = work / f"w4-rtn-{ckpt.name}", work / f"onnx-w4-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
-        if not reuse(out4):
-            # The bundled recipe with experts kept int4 in the graph (so not fused: MoE takes float experts).
-            recipe = bundled_recipe(work, "qwen3-fp32-int4-experts", {"lower_int4": "lower_int4: {experts: true}"})
-            qwen2om("calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force")
-            qwen2om("convert", str(w4), "-o", str(out4), "--recipe", str(recipe), *shape)
-        rows.append(time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT int4 (RTN g128, experts int4 "
-                                   "in the graph)", "out": str(out4), "result": str(work / "timing-qwen2om-w4.json")}))
+        if not reuse(out4):  # the bundled recipe: attention MatMulNBits, experts int4 in com.microsoft::QMoE
+            if not (w4 / "config.json").is_file():
+                qwen2om("calibrate", str(ckpt), "-o", str(w4), "--method", "rtn", "--force")
+            qwen2om("convert", str(w4), "-o", str(out4), *shape)
+        rows.append(time_in_child({**common, "kind": "qwen2om", "name": "qwen2om ORT int4 (RTN g128; experts: "
+                                   "com.microsoft QMoE)", "out": str(out4),
+                                   "result": str(work / "timing-qwen2om-w4.json")}))
     else:
         rows.append(Timing("qwen2om ORT int4", note=INT4_NOTE))
     for cfg in filter(None, a.transformers.split(",")):

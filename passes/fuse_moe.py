@@ -34,6 +34,7 @@ import torch
 
 from qwen2om.passes.lower_int4 import MS_DOMAIN
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef, Weights
 
 SCOPE = re.compile(r"^/model/layers\.(\d+)/mlp/experts/")
@@ -92,26 +93,36 @@ class FuseMoe:
     requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
     produces: ClassVar[tuple[str, ...]] = ("moe_fused",)
 
+    def __init__(self, quantized: bool = True) -> None:
+        """`quantized`: symmetric int4 experts (compressed-tensors, one group size) stay int4 in
+        `com.microsoft::QMoE`; off, they run dequantised in `MoE` like float experts."""
+        self.quantized = bool(quantized)
+
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         weights, bindings = ws.need("weights")
-        dims = ws.need("checkpoint").dims
+        ckpt = self.ckpt = ws.need("checkpoint")
         ws["moe_fused"] = True
-        fused = kept = 0
+        fused = kept = quantized = 0
         for kind, model in ws.need("graphs").items():
             graph = model.graph
             for layer, nodes in regions(graph).items():
-                if reason := self.fuse(graph, layer, nodes, dims, weights, bindings):
+                q = int4_experts(ckpt, layer) if self.quantized else None
+                if reason := self.fuse(graph, layer, nodes, ckpt.dims, weights, bindings, q):
                     ctx.log(f"{kind} graph, layer {layer}: experts left in standard ops: {reason}")
                     kept += 1
                     continue
                 fused += 1
+                quantized += q is not None
             if fused:
                 model.opset_imports[MS_DOMAIN] = 1
-        return PassResult(fused > 0, {"fused_layers": fused, "kept_layers": kept})
+        stats = {"fused_layers": fused, "kept_layers": kept}
+        return PassResult(fused > 0, stats | ({"int4_layers": quantized} if quantized else {}))
 
     def fuse(self, graph: ir.Graph, layer: int, nodes: list[ir.Node], dims: object,
-             weights: Weights, bindings: dict[str, WeightRef]) -> str | None:
-        """Rewrite one layer's region; return why not instead when it is not the expected shape."""
+             weights: Weights, bindings: dict[str, WeightRef], q: dict[str, list[Int4Weight]] | None = None,
+             ) -> str | None:
+        """Rewrite one layer's region (QMoE when `q` holds its int4 experts); return why not instead
+        when the region is not the expected shape."""
         p = f"model.layers.{layer}.mlp.experts"
         # Nodes computing constants (a zeros tensor) may be shared with other layers after the
         # exporter's CSE: they stay, and go only if nothing else reads them.
@@ -130,20 +141,31 @@ class FuseMoe:
             return f"expected 2 inputs (x, router logits) and 1 output, found {len(inputs)} and {len(outputs)}"
         x = next(v for v in inputs if v is not logits[0])
         e, h, i = dims.experts, dims.hidden, dims.moe_intermediate  # type: ignore[attr-defined]
-        fc1 = self.stack(graph, weights, bindings, f"{p}.fc1", graph.initializers[f"{p}.gate_up"].dtype, (2 * i, h),
-                         [lambda e=e: interleave(gate_up[e](), i) for e in range(e)])  # type: ignore[index]
-        fc2 = self.stack(graph, weights, bindings, f"{p}.fc2", graph.initializers[f"{p}.down"].dtype, (h, i),
-                         [lambda e=e: down[e]().T for e in range(e)])  # type: ignore[index]
-        old = outputs[0]
-        new = ir.Value(name=f"{old.name}_moe", shape=old.shape, type=old.type)
-        moe = ir.Node(MS_DOMAIN, "MoE", [x, logits[0], fc1, None, fc2], [
+        compute = graph.initializers[f"{p}.gate_up"].dtype
+        attrs = [
             ir.AttrInt64("k", dims.top_k),  # type: ignore[attr-defined]
             ir.AttrString("activation_type", "swiglu"),
             ir.AttrInt64("swiglu_fusion", 1),
             ir.AttrFloat32("activation_alpha", 1.0),
             ir.AttrFloat32("activation_beta", 0.0),
             ir.AttrInt64("normalize_routing_weights", int(dims.norm_topk_prob)),  # type: ignore[attr-defined]
-        ], outputs=[new], name=f"/model/layers.{layer}/mlp/experts/MoE")
+        ]
+        if q is None:
+            op = "MoE"
+            operands = [
+                self.stack(graph, weights, bindings, f"{p}.fc1", compute, (2 * i, h),
+                           [lambda e=e: interleave(gate_up[e](), i) for e in range(e)]),  # type: ignore[index]
+                None,
+                self.stack(graph, weights, bindings, f"{p}.fc2", compute, (h, i),
+                           [lambda e=e: down[e]().T for e in range(e)])]  # type: ignore[index]
+        else:
+            op = "QMoE"
+            operands = self.int4_operands(graph, weights, bindings, p, q, compute)
+            attrs += [ir.AttrInt64("expert_weight_bits", 4), ir.AttrInt64("block_size", q["down"][0].group)]
+        old = outputs[0]
+        new = ir.Value(name=f"{old.name}_moe", shape=old.shape, type=old.type)
+        moe = ir.Node(MS_DOMAIN, op, [x, logits[0], *operands], attrs, outputs=[new],
+                      name=f"/model/layers.{layer}/mlp/experts/{op}")
         graph.insert_before(nodes[-1], moe)
         old.replace_all_uses_with(new)
         for node in reversed(nodes):
@@ -156,16 +178,66 @@ class FuseMoe:
                 graph.initializers.pop(f"{p}.{w}")
         return None
 
+    def int4_operands(self, graph: ir.Graph, weights: Weights, bindings: dict[str, WeightRef], p: str,
+                      q: dict[str, list[Int4Weight]], compute: ir.DataType | None) -> list[ir.Value | None]:
+        """QMoE's fc1 [E, 2I, H/2] (gate and up rows interleaved), fc1_scales [E, 2I, H/g], fc2 [E, H, I/2],
+        fc2_scales [E, H, I/g]: each expert's packed bytes as stored (MatMulNBits' nibble order, value + 8,
+        QMoE's implicit zero point), and its scales in the compute dtype."""
+        ckpt = self.ckpt
+        gate, up, down = q["gate"], q["up"], q["down"]
+
+        def rows(w: Int4Weight) -> torch.Tensor:
+            return w.nbits_b(ckpt).reshape(w.n, w.k // 2)
+
+        def scales(w: Int4Weight) -> torch.Tensor:
+            return ckpt.raw(w.scale_name)
+
+        def pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.stack((a, b), dim=1).reshape(2 * a.shape[0], a.shape[1])
+
+        e, g = len(down), down[0].group
+        i, h = gate[0].n, gate[0].k
+        experts = range(e)
+        return [
+            self.stack(graph, weights, bindings, f"{p}.fc1_int4", ir.DataType.UINT8, (2 * i, h // 2),
+                       [lambda e=e: pair(rows(gate[e]), rows(up[e])) for e in experts], stored=True),
+            self.stack(graph, weights, bindings, f"{p}.fc1_scales", compute, (2 * i, h // g),
+                       [lambda e=e: pair(scales(gate[e]), scales(up[e])) for e in experts]),
+            None,
+            self.stack(graph, weights, bindings, f"{p}.fc2_int4", ir.DataType.UINT8, (h, i // 2),
+                       [lambda e=e: rows(down[e]) for e in experts], stored=True),
+            self.stack(graph, weights, bindings, f"{p}.fc2_scales", compute, (h, i // g),
+                       [lambda e=e: scales(down[e]) for e in experts]),
+        ]
+
     @staticmethod
     def stack(graph: ir.Graph, weights: Weights, bindings: dict[str, WeightRef], name: str, dtype: ir.DataType | None,
-              shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]]) -> ir.Value:
+              shape: tuple[int, ...], parts: list[Callable[[], torch.Tensor]], *, stored: bool = False) -> ir.Value:
+        """An [E, *shape] initializer written one expert at a time (`stored`: bytes as produced)."""
         if name in graph.initializers:
             return graph.initializers[name]
         v = ir.Value(name=name, shape=ir.Shape([len(parts), *shape]), type=ir.TensorType(dtype or ir.DataType.FLOAT))
         graph.initializers.add(v)
-        weights.stack(name, shape, parts)
+        (weights.stored_stack if stored else weights.stack)(name, shape, parts)
         bindings[name] = WeightRef(name)
         return v
+
+
+def int4_experts(ckpt: object, layer: int) -> dict[str, list[Int4Weight]] | None:
+    """The layer's experts as QMoE can take them: every projection symmetric int4 (compressed-tensors),
+    one power-of-two group ≥ 16 dividing K; else None (they run dequantised in MoE)."""
+    quantized = ckpt.quantized  # type: ignore[attr-defined]
+    e = ckpt.dims.experts  # type: ignore[attr-defined]
+    q = {proj: [quantized.get(f"model.layers.{layer}.mlp.experts.{x}.{proj}_proj.weight") for x in range(e)]
+         for proj in ("gate", "up", "down")}
+    flat = [w for ws in q.values() for w in ws]
+    if not all(isinstance(w, Int4Weight) and w.symmetric and w.fmt == "compressed-tensors" for w in flat):
+        return None
+    groups = {w.group for w in flat}
+    g = groups.pop() if len(groups) == 1 else 0
+    if g < 16 or g & (g - 1) or any(w.k % g or w.k % 2 for w in flat):
+        return None
+    return q  # type: ignore[return-value]
 
 
 def interleave(gate_up: torch.Tensor, i: int) -> torch.Tensor:

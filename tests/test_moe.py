@@ -285,6 +285,19 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     stages = json.loads((out / "manifest.json").read_text())["stages"]
     stats = next(s["stats"] for s in stages if s["pass"] == "fuse_moe")
     assert stats == {"fused_layers": 0, "kept_layers": 2 * 4}  # int4 stacks: left in the portable form
+    # The default ORT recipe: each layer's int4 experts in one com.microsoft::QMoE, the checkpoint's
+    # bytes as stored (gate/up rows interleaved), exact against the dequantised weights.
+    out_q = tmp_path / "out-qmoe"
+    convert(ckpt_dir, out_q, overrides=SMALL)
+    report = verify(out_q, ckpt_dir, tokens=16, prompts=[VARIED])
+    assert report.passed and report.max_abs <= 1e-4
+    prefill = onnx.load(out_q / "model.prefill.onnx", load_external_data=False)
+    qmoe = [n for n in prefill.graph.node if n.op_type == "QMoE"]
+    assert len(qmoe) == 4 and {a.name: onnx.helper.get_attribute_value(a) for a in qmoe[0].attribute}[
+        "block_size"] == 32
+    inits = {i.name: (i.data_type, list(i.dims)) for i in prefill.graph.initializer}
+    assert inits["model.layers.0.mlp.experts.fc1_int4"] == (onnx.TensorProto.UINT8, [8, 64, 32])  # [E, 2I, H/2]
+    assert inits["model.layers.0.mlp.experts.fc2_scales"] == (onnx.TensorProto.FLOAT, [8, 64, 1])  # [E, H, I/g]
     code, stdout, err = cli("eval", "agree", out, "--reference", "builtin:tiny-qwen3-moe", "--max-windows", "2",
                             "--json")
     assert code == 0, err
