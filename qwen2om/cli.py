@@ -183,12 +183,16 @@ def run(
     threads: Annotated[int, typer.Option(help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="keep generating past EOS")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
+    backend: Annotated[str, typer.Option(help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL (CANN) on an "
+                                         "Ascend NPU with OUT/ascend/model.<kind>.om")] = "ort",
+    device: Annotated[int, typer.Option(help="NPU device id (--backend acl)")] = 0,
 ) -> None:
     """Generate text with a converted model, streaming tokens; prints prefill and decode speed."""
     from qwen2om.runtime import standalone
 
     argv = ["--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
-            "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed), "--threads", str(threads)]
+            "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed), "--threads", str(threads),
+            "--backend", backend, "--device", str(device)]
     if system is not None:
         argv += ["--system", system]
     if ids is not None:

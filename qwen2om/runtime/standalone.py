@@ -8,7 +8,14 @@ new tokens' K/V into it (no concatenation, no copy of the whole cache per step).
 are prefilled chunk by chunk; the first chunk is left-padded so every chunk's last row is a
 real token and the prefill graph may return the last position's logits only.
 
+Two backends run the graphs behind one small interface (`gears`, `inputs`, `run`, `append`), so
+the generation logic is shared: ONNX Runtime on the ONNX files (default), or pyACL on an Ascend
+NPU (`--backend acl`) with the ATC-compiled `OUT/ascend/model.<kind>.om`, the KV cache and the
+scale inputs kept in device memory and the new K/V appended device to device. pyACL (`acl`,
+from CANN) is imported only when that backend is chosen.
+
     python OUT/run.py --prompt "Hello" --max-new-tokens 32 --greedy
+    python OUT/run.py --prompt "Hello" --backend acl --device 0
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -31,6 +39,48 @@ CHATML_SYSTEM = "<|im_start|>system\n{system}<|im_end|>\n"
 
 class RuntimeInputError(ValueError):
     """A prompt, token ids or buffers the compiled model cannot take."""
+
+
+class BackendError(RuntimeInputError):
+    """The chosen backend cannot run here (pyACL missing), or its compiled model does not fit manifest.json."""
+
+
+PAST_ROLES, PRESENT_ROLES = ("past_key", "past_value"), ("present_key", "present_value")
+
+
+def cache_targets(spec: dict) -> list[tuple[dict, str]]:
+    """Each present output of a graph, with the name of the past input its new tokens are appended to."""
+    past = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in PAST_ROLES}
+    return [(io, past[(io["role"].replace("present_", "past_"), io.get("layer"))])
+            for io in spec["outputs"] if io["role"] in PRESENT_ROLES]
+
+
+def pick_gear(gears: Sequence[int], n: int, kind: str) -> int:
+    """The smallest compiled token count that holds `n` new tokens (the call is left-padded to it)."""
+    for t in sorted(gears):
+        if t >= n:
+            return t
+    raise RuntimeInputError(f"a {kind} call of {n} tokens is outside the compiled range: the {kind} model takes "
+                            f"{', '.join(map(str, sorted(gears)))} tokens per call")
+
+
+class GraphCall(Protocol):
+    """What the engine needs from one compiled graph, whatever runs it (ONNX Runtime or pyACL)."""
+
+    tokens: int  # the signature's T: the most new tokens one call takes
+    gears: tuple[int, ...]  # the token counts a call can have (static graphs: only `tokens`)
+
+    def inputs(self, t: int) -> dict[str, np.ndarray]:
+        """Host arrays input_ids, position_ids, attention_mask shaped for `t` tokens, to fill before `run`."""
+        ...
+
+    def run(self, t: int) -> np.ndarray:
+        """One call on the filled inputs; the logits [B, Tl, V] on the host."""
+        ...
+
+    def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
+        """Append the last call's new K/V to the cache: (row, first real token, cache position, count)."""
+        ...
 
 
 @dataclasses.dataclass
@@ -133,6 +183,7 @@ class _Graph:
     def __init__(self, path: Path, spec: dict, caches: dict[str, np.ndarray], options: ort.SessionOptions,
                  providers: Sequence[str]) -> None:
         self.tokens = int(spec["tokens"])
+        self.gears = (self.tokens,)  # static shapes: every call carries exactly `tokens`, left-padded
         self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
@@ -142,8 +193,7 @@ class _Graph:
             self._bind(io["name"], buf, self.binding.bind_ortvalue_input)
         for io in spec["outputs"]:
             self._bind(io["name"], np.zeros(io["shape"], dtype=io["dtype"]), self.binding.bind_ortvalue_output)
-        self.presents = [(io["name"], io["role"], io["layer"]) for io in spec["outputs"]
-                         if io["role"] in ("present_key", "present_value")]
+        self.presents = [(self.buffers[io["name"]], caches[past]) for io, past in cache_targets(spec)]
 
     def _bind(self, name: str, buf: np.ndarray, bind: Callable[[str, ort.OrtValue], None]) -> None:
         value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
@@ -151,18 +201,286 @@ class _Graph:
         self.buffers[name] = buf
         bind(name, value)
 
-    def run(self) -> None:
+    def inputs(self, t: int) -> dict[str, np.ndarray]:
+        return self.buffers
+
+    def run(self, t: int) -> np.ndarray:
         self.session.run_with_iobinding(self.binding)
+        return self.buffers["logits"]
+
+    def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
+        """Copy each write's new K/V `(row, first real token, cache position, count)` into the caches."""
+        for new, cache in self.presents:
+            for b, pad, start, n in writes:
+                cache[b, :, start:start + n, :] = new[b, :, pad:pad + n, :]
+
+
+# -- pyACL (Ascend NPU) backend ------------------------------------------------------------------
+# Constants from CANN's acl.h: memory policy, memcpy kinds, "already initialised", and the input
+# ATC adds to a model compiled with --dynamic_dims (ACL_DYNAMIC_TENSOR_NAME).
+ACL_MEM_MALLOC_HUGE_FIRST = 0
+ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3
+ACL_ERROR_REPEAT_INITIALIZE = 100002
+ACL_DYNAMIC_TENSOR_NAME = "ascend_mbatch_shape_data"
+STAGED_ROLES = ("ids", "positions", "mask")  # written by the host before every call
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def shape_at(io: dict, t: int, tokens: int) -> list[int]:
+    """An input's or output's shape in a call of `t` new tokens, from its signature shape at `tokens`."""
+    s = list(io["shape"])
+    if io["role"] in ("ids", "positions"):
+        s[-1] = t
+    elif io["role"] == "mask":  # [B, 1, T, P + T]
+        s[-2], s[-1] = t, s[-1] - tokens + t
+    elif io["role"] in PRESENT_ROLES:  # [B, H, T, D]
+        s[-2] = t
+    elif io["role"] == "logits" and s[1] == tokens:  # all positions' logits, not only the last
+        s[1] = t
+    return s
+
+
+def _ok(ret: int, what: str) -> None:
+    if ret != 0:
+        raise BackendError(f"{what} failed with ACL error {ret}")
+
+
+def _value(result: tuple[Any, int], what: str) -> Any:
+    """pyACL returns `(value, ret)`: the value, once ret says it succeeded."""
+    value, ret = result
+    _ok(ret, what)
+    return value
+
+
+class _AclDevice:
+    """acl.init and one NPU, the device memory both graphs share, and a teardown stack that releases
+    everything in reverse order (also when loading fails half-way)."""
+
+    def __init__(self, acl: Any) -> None:
+        self.acl = acl
+        self._undo: list[Callable[[], object]] = []
+
+    def open(self, device: int) -> None:
+        acl = self.acl
+        ret = acl.init()
+        if ret != ACL_ERROR_REPEAT_INITIALIZE:  # already initialised (by torch-npu, say): not ours to finalize
+            _ok(ret, "acl.init")
+            self.defer(acl.finalize)
+        _ok(acl.rt.set_device(device), f"acl.rt.set_device({device})")
+        self.defer(lambda: acl.rt.reset_device(device))
+        context = _value(acl.rt.create_context(device), "acl.rt.create_context")
+        self.defer(lambda: acl.rt.destroy_context(context))
+
+    def defer(self, undo: Callable[[], object]) -> None:
+        self._undo.append(undo)
+
+    def close(self) -> None:
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception:  # keep releasing: an error here must not hide the one that got us here
+                pass
+
+    def malloc(self, size: int) -> int:
+        ptr = _value(self.acl.rt.malloc(size, ACL_MEM_MALLOC_HUGE_FIRST), f"acl.rt.malloc({size})")
+        self.defer(lambda: self.acl.rt.free(ptr))
+        return ptr
+
+    def copy(self, dst: int, dst_size: int, src: int, count: int, kind: int) -> None:
+        _ok(self.acl.rt.memcpy(dst, dst_size, src, count, kind), "acl.rt.memcpy")
+
+    def dataset(self, buffers: Sequence[tuple[int, int]]) -> int:
+        """An aclmdlDataset over (device pointer, size) pairs, in model input/output order."""
+        acl = self.acl
+        ds = acl.mdl.create_dataset()
+        self.defer(lambda: acl.mdl.destroy_dataset(ds))
+        for ptr, size in buffers:
+            buf = acl.create_data_buffer(ptr, size)
+            self.defer(lambda buf=buf: acl.destroy_data_buffer(buf))
+            _value(acl.mdl.add_dataset_buffer(ds, buf), "acl.mdl.add_dataset_buffer")
+        return ds
+
+
+class _AclGraph:
+    """One ATC-compiled .om: input and output datasets built once over device buffers (the KV cache and
+    scales shared with the other graph), host staging for ids/positions/mask, logits read back."""
+
+    def __init__(self, dev: _AclDevice, path: Path, kind: str, spec: dict, shared: dict[str, int]) -> None:
+        acl, self.dev, self.kind = dev.acl, dev, kind
+        self.tokens = int(spec["tokens"])
+        self.model = _value(acl.mdl.load_from_file(str(path)), f"acl.mdl.load_from_file({path})")
+        dev.defer(lambda: acl.mdl.unload(self.model))
+        desc = acl.mdl.create_desc()
+        dev.defer(lambda: acl.mdl.destroy_desc(desc))
+        _ok(acl.mdl.get_desc(desc, self.model), "acl.mdl.get_desc")
+        index, ret = acl.mdl.get_input_index_by_name(desc, ACL_DYNAMIC_TENSOR_NAME)
+        self.dynamic = index if ret == 0 else None
+        om_in = [(acl.mdl.get_input_name_by_index(desc, i), acl.mdl.get_input_size_by_index(desc, i))
+                 for i in range(acl.mdl.get_num_inputs(desc))]
+        om_out = [acl.mdl.get_output_size_by_index(desc, i) for i in range(acl.mdl.get_num_outputs(desc))]
+        data_in = [x for i, x in enumerate(om_in) if i != self.dynamic]
+        check_om(path, kind, spec, data_in, om_out)
+        self.gear_dims = self._gears(acl, desc, path, spec) if self.dynamic is not None else {}
+        self.gears = tuple(sorted(self.gear_dims)) or (self.tokens,)
+        self.specs = {io["name"]: io for io in spec["inputs"] + spec["outputs"]}
+        self.staged = {io["name"]: np.zeros(int(np.prod(io["shape"])), dtype=io["dtype"])  # flat: views per gear
+                       for io in spec["inputs"] if io["role"] in STAGED_ROLES}
+        self.ptr: dict[str, int] = {}
+        ins, names = [], iter(spec["inputs"])
+        for i, (_, size) in enumerate(om_in):
+            if i == self.dynamic:  # ATC's gear input: filled by acl.mdl.set_input_dynamic_dims
+                ins.append((dev.malloc(size), size))
+                continue
+            name = next(names)["name"]
+            self.ptr[name] = shared[name] if name in shared else dev.malloc(size)
+            ins.append((self.ptr[name], size))
+        outs = []
+        for io, size in zip(spec["outputs"], om_out, strict=True):  # ATC renames outputs: matched by position
+            self.ptr[io["name"]] = dev.malloc(size)
+            outs.append((self.ptr[io["name"]], size))
+        self.inputs_ds, self.outputs_ds = dev.dataset(ins), dev.dataset(outs)
+        self.logits_io = next(io for io in spec["outputs"] if io["role"] == "logits")
+        self.logits = np.zeros(self.logits_io["shape"], dtype=self.logits_io["dtype"]).reshape(-1)
+        self.presents = [(io, self.ptr[io["name"]], shared[past], self.specs[past]) for io, past in cache_targets(spec)]
+        self.t = self.tokens
+
+    def _gears(self, acl: Any, desc: int, path: Path, spec: dict) -> dict[int, dict]:
+        """The compiled --dynamic_dims gears, by token count. ACL lists a gear as the concatenated shapes
+        of the inputs (all of them, or only the dynamic ones: both forms are recognised)."""
+        count = _value(acl.mdl.get_input_dynamic_gear_count(desc, -1), "acl.mdl.get_input_dynamic_gear_count")
+        listed = _value(acl.mdl.get_input_dynamic_dims(desc, -1, count), "acl.mdl.get_input_dynamic_dims")
+        known = {}
+        for t in range(1, self.tokens + 1):
+            for inputs in (spec["inputs"], [io for io in spec["inputs"] if io["role"] in STAGED_ROLES]):
+                known[tuple(d for io in inputs for d in shape_at(io, t, self.tokens))] = t
+        gears = {}
+        for g in listed:
+            dims = tuple(int(d) for d in g["dims"][:g.get("dimCount", len(g["dims"]))])
+            if dims not in known:
+                raise BackendError(f"{path}: compiled gear {list(dims)} matches no call of 1..{self.tokens} tokens "
+                                   f"of manifest.json's {self.kind} graph; recompile with the ATC command in "
+                                   f"{path.parent}")
+            gears[known[dims]] = {"name": "", "dimCount": len(dims), "dims": list(dims)}
+        return gears
+
+    def inputs(self, t: int) -> dict[str, np.ndarray]:
+        """Host views of the staged inputs at `t` tokens, packed as the device expects them."""
+        return {name: buf[:int(np.prod(s := shape_at(self.specs[name], t, self.tokens)))].reshape(s)
+                for name, buf in self.staged.items()}
+
+    def run(self, t: int) -> np.ndarray:
+        acl, dev = self.dev.acl, self.dev
+        if t not in self.gears:
+            raise RuntimeInputError(f"{t} tokens is not a compiled gear of the {self.kind} model "
+                                    f"({', '.join(map(str, self.gears))})")
+        for name, host in self.inputs(t).items():
+            dev.copy(self.ptr[name], host.nbytes, host.ctypes.data, host.nbytes, ACL_MEMCPY_HOST_TO_DEVICE)
+        if self.dynamic is not None:
+            _ok(acl.mdl.set_input_dynamic_dims(self.model, self.inputs_ds, self.dynamic, self.gear_dims[t]),
+                "acl.mdl.set_input_dynamic_dims")
+        _ok(acl.mdl.execute(self.model, self.inputs_ds, self.outputs_ds), f"acl.mdl.execute ({self.kind})")
+        self.t = t
+        s = shape_at(self.logits_io, t, self.tokens)
+        logits = self.logits[:int(np.prod(s))].reshape(s)
+        dev.copy(logits.ctypes.data, logits.nbytes, self.ptr["logits"], logits.nbytes, ACL_MEMCPY_DEVICE_TO_HOST)
+        return logits
+
+    def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
+        """Append the last call's new K/V to the device caches, device to device: per row and head, a
+        contiguous run of n·D values from present [B, H, t, D] into past [B, H, P, D]."""
+        t = self.t
+        for io, src, dst, past in self.presents:
+            _, heads, capacity, d = past["shape"]
+            row = d * np.dtype(io["dtype"]).itemsize
+            end = dst + _nbytes(past["shape"], past["dtype"])
+            for b, pad, start, n in writes:
+                for h in range(heads):
+                    to = dst + ((b * heads + h) * capacity + start) * row
+                    self.dev.copy(to, end - to, src + ((b * heads + h) * t + pad) * row, n * row,
+                                  ACL_MEMCPY_DEVICE_TO_DEVICE)
+
+
+def check_om(path: Path, kind: str, spec: dict, inputs: list[tuple[str, int]], outputs: list[int]) -> None:
+    """The .om takes what manifest.json says the graph takes: count, names and byte sizes of the inputs
+    (the largest gear's), count and sizes of the outputs. Names the first mismatch."""
+    where = f"{path} does not match manifest.json's {kind} graph"
+    fix = "; recompile it with the ATC command in OUT/ascend/ from this conversion"
+    if len(inputs) != len(spec["inputs"]):
+        extra = [n for n, _ in inputs if n not in {io["name"] for io in spec["inputs"]}]
+        lost = [io["name"] for io in spec["inputs"] if io["name"] not in {n for n, _ in inputs}]
+        raise BackendError(f"{where}: it has {len(inputs)} inputs, the manifest {len(spec['inputs'])} "
+                           f"(missing: {lost[:3]}, unexpected: {extra[:3]}){fix}")
+    for i, ((name, size), io) in enumerate(zip(inputs, spec["inputs"], strict=True)):
+        want = _nbytes(io["shape"], io["dtype"])
+        if name != io["name"] or size != want:
+            raise BackendError(f"{where}: input {i} is {name!r} of {size} bytes in the .om, {io['name']!r} "
+                               f"{io['dtype']}{list(io['shape'])} ({want} bytes) in the manifest{fix}")
+    if len(outputs) != len(spec["outputs"]):
+        raise BackendError(f"{where}: it has {len(outputs)} outputs, the manifest {len(spec['outputs'])}{fix}")
+    for i, (size, io) in enumerate(zip(outputs, spec["outputs"], strict=True)):
+        if size != (want := _nbytes(io["shape"], io["dtype"])):
+            raise BackendError(f"{where}: output {i} ({io['name']!r}, {io['dtype']}{list(io['shape'])}) is "
+                               f"{size} bytes in the .om, {want} in the manifest{fix}")
+
+
+def import_acl() -> Any:
+    try:
+        import acl  # CANN's pyACL: on PYTHONPATH once CANN's set_env.sh is sourced
+    except ImportError as e:
+        raise BackendError(f"pyACL (the `acl` module from CANN) is not installed: {e}. Use the ORT backend "
+                           "(--backend ort), or install CANN and source its set_env.sh on the Ascend host") from None
+    return acl
+
+
+def open_acl(model_dir: Path, specs: dict, scales: dict[str, np.ndarray],
+             device: int) -> tuple[dict[str, GraphCall], Callable[[], None]]:
+    """Load OUT/ascend/model.<kind>.om for every graph on NPU `device`, with one device KV cache (zeroed:
+    uninitialised memory may hold NaN, and 0·NaN in a masked slot would still poison attention) and the
+    scale inputs copied up once. Returns the graphs and the teardown."""
+    acl = import_acl()
+    paths = {kind: model_dir / "ascend" / f"model.{kind}.om" for kind in specs}
+    for kind, path in paths.items():
+        if not path.is_file():
+            raise BackendError(f"{path}: missing; compile the {kind} graph with the ATC command in {path.parent} "
+                               "on a machine with CANN")
+    dev = _AclDevice(acl)
+    try:
+        dev.open(device)
+        shared = {}
+        for io in next(iter(specs.values()))["inputs"]:
+            if io["role"] in PAST_ROLES or io["role"] == "scale":
+                size = _nbytes(io["shape"], io["dtype"])
+                shared[io["name"]] = ptr = dev.malloc(size)
+                if io["role"] == "scale":
+                    host = np.ascontiguousarray(scales[io["name"]])
+                    dev.copy(ptr, size, host.ctypes.data, size, ACL_MEMCPY_HOST_TO_DEVICE)
+                else:
+                    _ok(acl.rt.memset(ptr, size, 0, size), "acl.rt.memset")
+        graphs: dict[str, GraphCall] = {kind: _AclGraph(dev, paths[kind], kind, spec, shared)
+                                        for kind, spec in specs.items()}
+    except BaseException:
+        dev.close()
+        raise
+    return graphs, dev.close
 
 
 class Engine:
-    """A compiled qwen2om model with its KV cache, tokenizer and generation loop."""
+    """A compiled qwen2om model with its KV cache, tokenizer and generation loop.
 
-    def __init__(self, model_dir: str | Path, *, threads: int = 0, providers: Sequence[str] = ()) -> None:
+    `backend` runs the graphs: "ort" (ONNX Runtime) or "acl" (pyACL on Ascend NPU `device`, with the
+    .om files in OUT/ascend/). Close the engine, or use it as a context manager, to free the NPU."""
+
+    def __init__(self, model_dir: str | Path, *, threads: int = 0, providers: Sequence[str] = (),
+                 backend: str = "ort", device: int = 0) -> None:
         self.dir = Path(model_dir)
         manifest_path = self.dir / "manifest.json"
         if not manifest_path.is_file():
             raise RuntimeInputError(f"{self.dir}: no manifest.json (is this a qwen2om output directory?)")
+        if backend not in ("ort", "acl"):
+            raise BackendError(f"unknown backend {backend!r} (known: ort, acl)")
         self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         rt = self.manifest["runtime"]
         self.capacity, self.batch, self.vocab = int(rt["capacity"]), int(rt["batch"]), int(rt["vocab"])
@@ -170,6 +488,19 @@ class Engine:
         self.eos = set(rt.get("eos_token_ids", []))
         self.pad_id = int(rt.get("pad_token_id", 0))
         self.mask_min = float(np.finfo(self.dtype).min)
+        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        self.lengths = np.zeros(self.batch, dtype=np.int64)
+        specs = self.manifest["graphs"]
+        first = next(iter(specs.values()))
+        # Scale inputs (`scales: inputs`): loaded once, fed to every call of every graph.
+        scales = load_scales(self.dir, first["inputs"])
+        self._release: Callable[[], None] = lambda: None
+        # The host KV cache of the ONNX Runtime backend; the ACL backend keeps its cache on the NPU.
+        self.caches: dict[str, np.ndarray] = {}
+        self.graphs: dict[str, GraphCall]
+        if backend == "acl":
+            self.graphs, self._release = open_acl(self.dir, specs, scales, device)
+            return
         options = ort.SessionOptions()
         # Without prepacking, ONNX Runtime reads MatMul weights from the memory-mapped data file:
         # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
@@ -177,18 +508,22 @@ class Engine:
             options.add_session_config_entry("session.disable_prepacking", "1")
         if threads:
             options.intra_op_num_threads = threads
-        specs = self.manifest["graphs"]
-        first = next(iter(specs.values()))
         self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
-                       if io["role"] in ("past_key", "past_value")}
-        # Scale inputs (`scales: inputs`): loaded once, bound to every call of every graph.
-        self.caches.update(load_scales(self.dir, first["inputs"]))
-        self.cache_of = {(io["role"].replace("past_", ""), io["layer"]): io["name"] for io in first["inputs"]
-                         if io["role"] in ("past_key", "past_value")}
+                       if io["role"] in PAST_ROLES}
+        self.caches.update(scales)
         prov = list(providers) or ["CPUExecutionProvider"]
         self.graphs = {kind: _Graph(self.dir / s["file"], s, self.caches, options, prov) for kind, s in specs.items()}
-        self.lengths = np.zeros(self.batch, dtype=np.int64)
-        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+
+    def close(self) -> None:
+        """Release the backend's resources (the NPU's buffers, models and device); idempotent."""
+        release, self._release = self._release, lambda: None
+        release()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- the model call ---------------------------------------------------------------------
     def reset(self) -> None:
@@ -196,21 +531,22 @@ class Engine:
         self.lengths[:] = 0
 
     def _call(self, kind: str, rows: list[list[int]]) -> np.ndarray:
-        """Feed each row's tokens (≤ T, left-padded) at its current length; return logits [B, Tl, V]."""
+        """Feed each row's tokens (left-padded to the smallest gear that holds the longest row) at its
+        current length; return logits [B, Tl, V]."""
         g = self.graphs[kind]
-        t, p = g.tokens, self.capacity
-        ids, pos = g.buffers["input_ids"], g.buffers["position_ids"]
-        mask = g.buffers["attention_mask"]
+        t, p = pick_gear(g.gears, max(len(r) for r in rows), kind), self.capacity
+        buffers = g.inputs(t)
+        ids, pos, mask = buffers["input_ids"], buffers["position_ids"], buffers["attention_mask"]
         ids.fill(self.pad_id)
         pos.fill(0)
         mask.fill(self.mask_min)
-        pads = []
+        writes = []
         for b, toks in enumerate(rows):
             n, length = len(toks), int(self.lengths[b])
             if length + n > p:
                 raise RuntimeInputError(f"row {b}: {length} cached + {n} new tokens exceed the capacity {p}")
             pad = t - n
-            pads.append(pad)
+            writes.append((b, pad, length, n))
             ids[b, pad:] = toks
             pos[b, pad:] = np.arange(length, length + n)
             mask[b, 0, pad:, :length] = 0  # the cached tokens
@@ -218,16 +554,11 @@ class Engine:
             mask[b, 0, pad:, p + pad:][causal] = 0  # the new tokens, causally
             for i in range(pad):  # pad rows see only themselves: a defined softmax, output discarded
                 mask[b, 0, i, p + i] = 0
-        g.run()
-        for name, role, layer in g.presents:
-            cache = self.caches[self.cache_of[(role.replace("present_", ""), layer)]]
-            new = g.buffers[name]
-            for b, toks in enumerate(rows):
-                length = int(self.lengths[b])
-                cache[b, :, length:length + len(toks), :] = new[b, :, pads[b]:, :]
+        logits = g.run(t)
+        g.append([w for w in writes if w[3]])
         for b, toks in enumerate(rows):
             self.lengths[b] += len(toks)
-        return g.buffers["logits"]
+        return logits
 
     def prefill(self, prompts: list[list[int]]) -> np.ndarray:
         """Run whole prompts through the cache; return each row's last-token logits [B, V]."""
@@ -242,7 +573,7 @@ class Engine:
                     f"prompt of {len(toks)} tokens does not fit the cache capacity {self.capacity} "
                     "(convert with a larger --max-seq-len, or pass --truncate)")
         kind = "prefill" if "prefill" in self.graphs else "decode"
-        c = self.graphs[kind].tokens
+        c = max(self.graphs[kind].gears)
         longest = max(len(t) for t in prompts)
         chunks = -(-longest // c)
         last = np.zeros((self.batch, self.vocab), dtype=np.float32)
@@ -342,17 +673,21 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = all cores)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--backend", choices=("ort", "acl"), default="ort",
+                   help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL on an Ascend NPU with ascend/*.om")
+    p.add_argument("--device", type=int, default=0, help="NPU device id for --backend acl")
 
 
 def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> int:
-    p = argparse.ArgumentParser(description="Generate text with a qwen2om-compiled model (ONNX Runtime).")
+    p = argparse.ArgumentParser(description="Generate text with a qwen2om-compiled model (ONNX Runtime or pyACL).")
     if model_dir is None:
         p.add_argument("--model-dir", type=Path, default=Path(__file__).resolve().parent,
                        help="the output directory (default: the folder holding this script)")
     add_generation_args(p)
     a = p.parse_args(argv)
+    engine = None
     try:
-        engine = Engine(model_dir or a.model_dir, threads=a.threads)
+        engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device)
         ids = [int(x) for x in a.ids.split(",")] if a.ids else engine.encode(a.prompt, chat=a.chat, system=a.system)
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)
@@ -363,6 +698,9 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     except (RuntimeInputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if engine is not None:
+            engine.close()
     if a.json:
         print(json.dumps({"prompt_ids": ids, "tokens": out, "text": engine.tokenizer.decode(out),
                           "stats": dataclasses.asdict(stats)}))
