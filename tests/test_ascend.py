@@ -24,30 +24,43 @@ GOLDEN = Path(__file__).parent / "golden" / "ascend"
 FILES = ("compile.sh", "atc_commands.json", "keep_dtype.cfg", "modify_mixlist.json")
 
 
-@pytest.fixture(scope="module")
-def w4(tmp_path_factory) -> Path:
-    """tiny-qwen3 calibrated W4A16 (RTN, group 32, symmetric), as compressed-tensors."""
+def calibrated(tmp_path_factory, model: str, **cfg: object) -> Path:
     from qwen2om.quant.calibrate import CalibrationConfig, calibrate
 
-    out = tmp_path_factory.mktemp("w4") / "ckpt"
-    calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="rtn", group_size=32, num_samples=8, seq_len=64))
+    out = tmp_path_factory.mktemp("ckpt") / "ckpt"
+    calibrate(f"builtin:{model}", out, CalibrationConfig(num_samples=8, seq_len=64, **cfg))  # type: ignore[arg-type]
     return out
 
 
 @pytest.fixture(scope="module")
-def ascend_out(tmp_path_factory, w4) -> dict[str, Path]:
-    """Ascend conversions (no CANN here: dry-run semantics): float fp16 qwen2/qwen3, W4A16, FP8."""
+def w4(tmp_path_factory) -> Path:
+    """tiny-qwen3 calibrated W4A16 (RTN, group 32, symmetric), as compressed-tensors."""
+    return calibrated(tmp_path_factory, "tiny-qwen3", method="rtn", group_size=32)
+
+
+@pytest.fixture(scope="module")
+def qwen2_quantized(tmp_path_factory) -> dict[str, Path]:
+    """tiny-qwen2 (q/k/v biases) as W4A16 (RTN, group 32) and as FP8 (`--scheme fp8-block`)."""
+    return {"w4a16": calibrated(tmp_path_factory, "tiny-qwen2", method="rtn", group_size=32),
+            "fp8": calibrated(tmp_path_factory, "tiny-qwen2", scheme="fp8-block")}
+
+
+@pytest.fixture(scope="module")
+def ascend_out(tmp_path_factory, w4, qwen2_quantized) -> dict[str, Path]:
+    """Ascend conversions (no CANN here: dry-run semantics): tiny qwen2/qwen3 in fp16, W4A16, FP8."""
     outs = {}
     for name, model, soc in (("qwen3-fp16", "builtin:tiny-qwen3", "Ascend910B3"),
                              ("qwen2-fp16", "builtin:tiny-qwen2", "Ascend910B3"),
                              ("qwen3-w4a16", str(w4), "Ascend910B3"),
-                             ("qwen3-fp8", "builtin:tiny-qwen3-fp8", "Ascend310P3")):
+                             ("qwen2-w4a16", str(qwen2_quantized["w4a16"]), "Ascend310P3"),
+                             ("qwen3-fp8", "builtin:tiny-qwen3-fp8", "Ascend310P3"),
+                             ("qwen2-fp8", str(qwen2_quantized["fp8"]), "Ascend910B3")):
         outs[name] = tmp_path_factory.mktemp("ascend") / name
         convert(model, outs[name], overrides=[*SMALL, "target=ascend", f"soc_version={soc}"])
     return outs
 
 
-@pytest.mark.parametrize("name", ["qwen3-fp16", "qwen2-fp16", "qwen3-w4a16", "qwen3-fp8"])
+@pytest.mark.parametrize("name", ["qwen3-fp16", "qwen2-fp16", "qwen3-w4a16", "qwen2-w4a16", "qwen3-fp8", "qwen2-fp8"])
 def test_ascend_outputs_are_legal_and_list_every_input(ascend_out, name: str) -> None:
     out = ascend_out[name]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -68,7 +81,7 @@ def test_ascend_outputs_are_legal_and_list_every_input(ascend_out, name: str) ->
         assert next(a for a in cmd if a.startswith("--out_nodes=")) == "--out_nodes=" + ";".join(
             o.name for o in model.graph.output)
     ops = {n.op_type for n in onnx.load(out / "model.decode.onnx", load_external_data=False).graph.node}
-    if name == "qwen3-w4a16":
+    if name.endswith("w4a16"):
         assert "WeightQuantBatchMatmulV2" in ops and "MatMulNBits" not in ops
     if name == "qwen3-fp8":  # e4m3 bytes decoded by a table Gather: no float8 tensor for the parser
         assert len([i for i in manifest["graphs"]["decode"]["inputs"] if i["role"] == "scale"]) == 4 * 7
@@ -86,12 +99,14 @@ def test_golden_atc_files(ascend_out, name: str) -> None:
         assert got == golden.read_text(), f"{name}/{f}"
 
 
-@pytest.mark.parametrize(("name", "reference"), [("qwen3-fp16", "builtin:tiny-qwen3"), ("qwen3-w4a16", None),
-                                                 ("qwen3-fp8", "builtin:tiny-qwen3-fp8")])
-def test_verify_through_reference_kernels(ascend_out, w4, name: str, reference: str | None) -> None:
+@pytest.mark.parametrize(("name", "reference"), [
+    ("qwen3-fp16", "builtin:tiny-qwen3"), ("qwen2-fp16", "builtin:tiny-qwen2"), ("qwen3-w4a16", "w4"),
+    ("qwen2-w4a16", "w4a16"), ("qwen3-fp8", "builtin:tiny-qwen3-fp8"), ("qwen2-fp8", "fp8")])
+def test_verify_through_reference_kernels(ascend_out, w4, qwen2_quantized, name: str, reference: str) -> None:
     """The Ascend-bound graphs run on CPU with each Ascend op decomposed, and match the reference
-    (fp16 graphs: all greedy tokens, as for the ort target)."""
-    report = verify(ascend_out[name], reference or w4, tokens=16)
+    (quantised: their own exact dequantisation; fp16 graphs: all greedy tokens, as for the ort target)."""
+    ref = w4 if reference == "w4" else qwen2_quantized.get(reference, reference)
+    report = verify(ascend_out[name], ref, tokens=16)
     assert report.passed and report.agreement == 1.0 and report.max_abs < 2e-2
 
 
