@@ -199,7 +199,13 @@ def run(
         argv += ["--ids", ids]
     argv += [flag for flag, on in (("--chat", chat), ("--greedy", greedy), ("--truncate", truncate),
                                    ("--ignore-eos", ignore_eos), ("--json", as_json)) if on]
-    code = standalone.main(argv, model_dir=out)
+    if backend == "ort":  # an Ascend-target output runs on CPU through the reference kernels
+        from qwen2om.kernels.ascend import cpu_runnable
+
+        with cpu_runnable(out) as view:
+            code = standalone.main(argv, model_dir=view)
+    else:
+        code = standalone.main(argv, model_dir=out)
     if code:
         raise typer.Exit(code)
 

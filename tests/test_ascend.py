@@ -203,3 +203,18 @@ def test_atc_failure_surfaces_its_errors(tmp_path: Path, monkeypatch, cli) -> No
                        "--max-seq-len", "256")
     assert code != 0 and "E19010: No parser is registered" in err and "OUT was not written" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_run_ascend_output_on_cpu(ascend_out, cli, capsys) -> None:
+    """`qwen2om run` runs an Ascend-target output through the reference kernels; the standalone
+    run.py (no qwen2om installed) says why it cannot, instead of ONNX Runtime's load error."""
+    from qwen2om.runtime import standalone
+
+    out = ascend_out["qwen3-w4a16"]
+    code, stdout, err = cli("run", out, "--prompt", "Hello", "--max-new-tokens", "4", "--greedy", "--json")
+    assert code == 0, err
+    assert len(json.loads(stdout)["tokens"]) == 4
+    assert not [p for p in out.iterdir() if p.name.startswith(".cpu-view")]  # the temporary view is gone
+    capsys.readouterr()
+    assert standalone.main(["--prompt", "Hello", "--max-new-tokens", "2"], model_dir=out) == 2
+    assert "holds Ascend ops" in capsys.readouterr().err

@@ -184,7 +184,15 @@ class _Graph:
                  providers: Sequence[str]) -> None:
         self.tokens = int(spec["tokens"])
         self.gears = (self.tokens,)  # static shapes: every call carries exactly `tokens`, left-padded
-        self.session = ort.InferenceSession(str(path), options, providers=list(providers))
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=list(providers))
+        except Exception as e:
+            if "WeightQuantBatchMatmulV2" in str(e) or "AscendAntiQuant" in str(e):  # a --target ascend output
+                raise RuntimeInputError(
+                    f"{path.name} holds Ascend ops (converted with --target ascend), which ONNX Runtime cannot run "
+                    "by itself: use `qwen2om run DIR` (it runs them on CPU through qwen2om's reference kernels), "
+                    "or --backend acl on the Ascend host") from None
+            raise
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
         self._keep: list[ort.OrtValue] = []
