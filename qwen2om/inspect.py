@@ -3,7 +3,8 @@
 PATH is a qwen2om output directory (manifest.json), a single `.onnx` file, or a Hugging Face
 checkpoint directory (config.json). The result is a plain dict (`--json` prints it as is); the CLI
 draws it as tables. Graphs are read without their external data, so inspecting a 30B conversion
-reads a few MiB of protobuf, not the weights.
+reads a few MiB of protobuf, not the weights; the data files are only checked to exist and be long
+enough. `checksums=True` is the one thing that reads the weights: the sha256 of every initializer.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ from typing import Any
 import onnx
 
 from qwen2om.errors import Qwen2omError
+from qwen2om.onnxfile import check_external_data, initializer_sha256, load_graph
 
 LAYERED = re.compile(r"^(.*?)\.(\d+)$")  # past_key.3 → (past_key, 3)
 
 
-def onnx_summary(path: Path) -> dict[str, Any]:
-    """Nodes, op histogram, opset, IR version and initializers by dtype of one graph file."""
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # onnx raises DecodeError, OSError, ValueError… for a bad file
-        raise Qwen2omError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+def onnx_summary(path: Path, checksums: bool = False,
+                 cache: dict[tuple[str, int, int], str] | None = None) -> dict[str, Any]:
+    """Nodes, op histogram, opset, IR version, initializers by dtype and external data bytes of one
+    graph file; with `checksums`, each initializer's sha256 (the only time weights are read)."""
+    model = load_graph(path, check_data=False)
+    external = check_external_data(model, path)
     by_dtype: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for init in model.graph.initializer:
         name = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name if init.data_type != 17 else "float8e4m3fn"
@@ -40,15 +42,17 @@ def onnx_summary(path: Path) -> dict[str, Any]:
                               for n in model.graph.node)
     return {"nodes": len(model.graph.node), "ops": dict(ops.most_common()),
             "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}, "ir_version": model.ir_version,
-            "initializers": dict(sorted(by_dtype.items()))}
+            "initializers": dict(sorted(by_dtype.items())), "external_data": external,
+            **({"checksums": initializer_sha256(model, path, cache)} if checksums else {})}
 
 
-def inspect_output(root: Path) -> dict[str, Any]:
+def inspect_output(root: Path, checksums: bool = False) -> dict[str, Any]:
     manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     graphs = {}
+    cache: dict[tuple[str, int, int], str] = {}  # decode and prefill share their weights: hash each once
     for kind, spec in manifest["graphs"].items():
         graphs[kind] = {"file": spec["file"], "tokens": spec["tokens"], "inputs": spec["inputs"],
-                        "outputs": spec["outputs"], **onnx_summary(root / spec["file"])}
+                        "outputs": spec["outputs"], **onnx_summary(root / spec["file"], checksums, cache)}
     scale_map_path = root / "scale_map.json"
     scale_map = json.loads(scale_map_path.read_text(encoding="utf-8")) if scale_map_path.is_file() else {}
     checks = next((s["stats"] for s in manifest.get("stages", []) if s.get("pass") == "check_scales"), {})
@@ -59,8 +63,9 @@ def inspect_output(root: Path) -> dict[str, Any]:
             "scale_ranges": checks.get("layers", [])}
 
 
-def inspect_checkpoint(root: Path) -> dict[str, Any]:
+def inspect_checkpoint(root: Path, checksums: bool = False) -> dict[str, Any]:
     from qwen2om.checkpoint import Checkpoint
+    from qwen2om.output import sha256_file
 
     ckpt = Checkpoint(root)
     try:
@@ -70,23 +75,38 @@ def inspect_checkpoint(root: Path) -> dict[str, Any]:
                 "quantization_config": ckpt.config.get("quantization_config"), "quantized": dict(kinds),
                 "scales": [{"weight": q.name, "scale": q.scale_name, "shape": list(q.scale_shape),
                             "scheme": q.kind, "block": list(q.block)} for q in ckpt.quantized.values()],
-                "shards": [str(p.relative_to(root)) for p in ckpt.shards], "tensors": len(ckpt.names())}
+                "shards": [str(p.relative_to(root)) for p in ckpt.shards], "tensors": len(ckpt.names()),
+                **({"checksums": {str(p.relative_to(root)): sha256_file(p) for p in ckpt.shards}}
+                   if checksums else {})}
     finally:
         ckpt.close()
 
 
-def inspect(path: Path | str) -> dict[str, Any]:
+def inspect(path: Path | str, checksums: bool = False) -> dict[str, Any]:
+    """Everything `inspect PATH` shows, as data; `checksums` adds each weight's sha256 (reads them)."""
     from qwen2om.builtin import resolve_model
 
     path = resolve_model(str(path))
     if path.is_dir() and (path / "manifest.json").is_file():
-        return inspect_output(path)
+        return inspect_output(path, checksums)
     if path.is_file() and path.suffix == ".onnx":
-        return {"kind": "onnx", "path": str(path), **onnx_summary(path)}
+        return {"kind": "onnx", "path": str(path), **onnx_summary(path, checksums)}
     if path.is_dir() and (path / "config.json").is_file():
-        return inspect_checkpoint(path)
+        return inspect_checkpoint(path, checksums)
     raise Qwen2omError(f"{path}: not a qwen2om output directory (manifest.json), an .onnx file, or a checkpoint "
-                       "directory (config.json)")
+                       f"directory (config.json){what_it_is(path)}")
+
+
+def what_it_is(path: Path) -> str:
+    """Why PATH is none of the three kinds, in a few words (the start of an error message)."""
+    if not path.exists():
+        return ": it does not exist"
+    if path.is_file():
+        return f": it is a {path.suffix} file" if path.suffix else ": it is a file without a suffix"
+    onnx_files = sorted(p.name for p in path.glob("*.onnx"))
+    if onnx_files:
+        return f"; it holds {', '.join(onnx_files[:3])}: inspect one of those files"
+    return "; it is a directory without any of them"
 
 
 def grouped_io(ios: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -130,9 +150,6 @@ def check_graphs(path: Path | str, target: str, soc_version: str | None = None) 
         raise Qwen2omError(f"{path}: --check needs a qwen2om output directory or an .onnx file")
     found = {}
     for kind, f in files.items():
-        try:
-            model = ir.serde.deserialize_model(onnx.load(str(f), load_external_data=False))
-        except Exception as e:  # onnx raises DecodeError, OSError, ValueError… for a bad file
-            raise Qwen2omError(f"{f}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+        model = ir.serde.deserialize_model(load_graph(f))
         found[kind] = [{"where": p.where, "what": p.what, "reason": p.reason} for p in problems(model, soc)]
     return found
