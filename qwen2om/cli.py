@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -116,6 +117,9 @@ def convert(
     workers: Annotated[int | None, typer.Option(help="threads for reading, converting, writing and hashing "
                                                 "(default: all cores; capped at them)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the manifest summary as JSON")] = False,
+    dump_graph: Annotated[bool, typer.Option("--dump-graph", help="write each graph after each pass to "
+                                             "OUT/graphs/NN_<pass>.<kind>.txt (one line per node), to diff what "
+                                             "each pass did")] = False,
 ) -> None:
     """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py).
 
@@ -140,7 +144,7 @@ def convert(
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:
         result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,
-                             workers=workers, progress=progress, log=note,
+                             workers=workers, progress=progress, log=note, dump_graphs=dump_graph,
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
@@ -329,23 +333,56 @@ def calibrate(
 def inspect(
     path: Annotated[str, typer.Argument(help="a qwen2om output directory, an .onnx file, or a checkpoint directory "
                                         "(or builtin:NAME)")],
+    other: Annotated[str | None, typer.Argument(help="with --diff: the output directory or .onnx file to compare "
+                                                "PATH with", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print everything as JSON")] = False,
     check: Annotated[str | None, typer.Option("--check", help="ascend: list every node or tensor ATC would "
                                               "reject, with the reason; exit code 1 when there is any")] = None,
     soc_version: Annotated[str | None, typer.Option("--soc-version", help="with --check ascend: also check what "
                                                     "this SoC cannot run (e.g. int4 matmuls on Ascend310B1)")] = None,
+    dump_graph: Annotated[Path | None, typer.Option("--dump-graph", metavar="FILE", help="draw the graph into "
+                                                    "FILE.dot, .svg, .png (graphviz's dot draws these two) or .txt "
+                                                    "(one line per node): one decoder layer node by node, every "
+                                                    "other layer one box")] = None,
+    layer: Annotated[int, typer.Option(help="with --dump-graph: the decoder layer drawn node by node")] = 0,
+    full: Annotated[bool, typer.Option("--full", help="with --dump-graph: draw every layer node by node")] = False,
+    graph: Annotated[str | None, typer.Option(help="with --dump-graph, for an output directory: decode (default) "
+                                              "or prefill")] = None,
+    diff: Annotated[bool, typer.Option("--diff", help="compare PATH with OTHER: I/O signature, ops, opset/IR, "
+                                       "initializer names/dtypes/shapes; for output directories also recipe, tools, "
+                                       "source and file hashes from the manifests")] = False,
+    checksums: Annotated[bool, typer.Option("--checksums", help="also the sha256 of every weight (with --diff: "
+                                            "compared); the only option that reads the weight data")] = False,
 ) -> None:
     """What a conversion produced: graph inputs/outputs with roles, ops, weights by dtype, and every
     scale input with the layer and module it feeds (or, for a checkpoint, its quantisation).
+    Graphs are read without their weights (only --checksums reads those).
 
-    With --check ascend: only the ATC legality check (exit 0: legal, 1: problems listed)."""
+    With --check ascend: only the ATC legality check. With --dump-graph FILE: only the picture or text.
+    With --diff: only the differences between PATH and OTHER.
+
+    Exit codes: 0 = done (--diff: identical; --check: nothing ATC rejects);
+    1 = --diff: PATH and OTHER differ, --check: problems listed;
+    2 = bad input (a path that is no output directory, .onnx file or checkpoint; an unreadable ONNX file;
+    a missing or truncated external data file);
+    3 = --dump-graph .svg/.png but graphviz's `dot` is not installed (FILE's .dot is written instead)."""
     from qwen2om.inspect import grouped_io
     from qwen2om.inspect import inspect as run_inspect
 
+    if other is not None and not diff:
+        raise Qwen2omError(f"a second path ({other}) is only read with --diff")
+    if dump_graph is None and (layer != 0 or full or graph is not None):
+        raise Qwen2omError("--layer, --full and --graph go with --dump-graph FILE")
     if check is not None:
         print_check(path, check, soc_version, as_json)
         return
-    info = run_inspect(path)
+    if diff:
+        print_diff(path, other, checksums, as_json)
+        return
+    if dump_graph is not None:
+        print_dump(path, dump_graph, graph, layer, full, as_json)
+        return
+    info = run_inspect(path, checksums)
     if as_json:
         print(json.dumps(info, indent=2))
         return
@@ -353,6 +390,8 @@ def inspect(
         out_console.print(f"checkpoint {path}: {info['model_type']} ({info['architecture']}), {info['layers']} layers, "
                           f"hidden {info['hidden']}, {info['tensors']} tensors in {len(info['shards'])} shard(s); "
                           f"quantised: {info['quantized'] or 'none'}")
+        for shard, sha in info.get("checksums", {}).items():
+            out_console.print(f"  {shard} sha256 {sha}")
         return
     graphs = info["graphs"] if info["kind"] == "output" else {"graph": info}
     for kind, g in graphs.items():
@@ -361,6 +400,13 @@ def inspect(
                           + ", ".join(f"{op} {n}" for op, n in list(g["ops"].items())[:8]))
         weights = ", ".join(f"{dt} {v['count']} ({fmt_bytes(v['bytes'])})" for dt, v in g["initializers"].items())
         out_console.print(f"  initializers: {weights}")
+        if g.get("external_data"):
+            data = ", ".join(f"{f} {fmt_bytes(n)}" for f, n in g["external_data"].items())
+            out_console.print(f"  external data (not read): {data}")
+        if "checksums" in g:
+            combined = hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(g["checksums"].items())).encode())
+            out_console.print(f"  weights sha256: {len(g['checksums'])} initializers hashed, combined "
+                              f"{combined.hexdigest()} (--json lists each)")
         if "inputs" not in g:
             continue
         table = Table(title=f"{kind}: inputs and outputs")
@@ -406,6 +452,62 @@ def print_check(path: str, target: str, soc_version: str | None, as_json: bool) 
         out_console.print(table)
     if total:
         raise typer.Exit(1)
+
+
+def print_diff(a: str, b: str | None, checksums: bool, as_json: bool) -> None:
+    """`inspect A B --diff`: a table of the differences; exit 1 when there is any."""
+    from qwen2om.builtin import resolve_model
+    from qwen2om.graphdiff import diff
+
+    if b is None:
+        raise Qwen2omError("--diff needs two paths: qwen2om inspect A B --diff")
+    result = diff(resolve_model(a), resolve_model(b), checksums=checksums)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    elif result.identical:
+        out_console.print(f"[green]✓[/] {a} and {b}: no differences (graphs {', '.join(result.compared)}: I/O, ops, "
+                          f"opset/IR, initializers{', weight checksums' if checksums else ''})")
+    else:
+        table = Table(title=f"{len(result.differences)} difference(s): A = {a}, B = {b}")
+        for col in ("graph", "what", "name", "A", "B"):
+            table.add_column(col, overflow="fold")
+        shown: dict[tuple[str, str], int] = {}
+        for d in result.differences:
+            key = (d["graph"], d["section"])
+            shown[key] = shown.get(key, 0) + 1
+            if shown[key] <= DIFF_ROWS:
+                table.add_row(d["graph"], d["section"], d["name"], diff_cell(d["a"]), diff_cell(d["b"]))
+        for (graph, section), n in shown.items():
+            if n > DIFF_ROWS:
+                table.add_row(graph, section, f"… and {n - DIFF_ROWS} more (--json lists all)", "", "")
+        out_console.print(table)
+    if not result.identical:
+        raise typer.Exit(result.exit_code)
+
+
+DIFF_ROWS = 12  # per graph and section in the table; --json has every row
+
+
+def diff_cell(value: object) -> str:
+    """A table cell of --diff: '-' for absent, sha256s shortened (--json has them whole)."""
+    if value is None:
+        return "-"
+    text = str(value)
+    return text[:12] + "…" if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else text
+
+
+def print_dump(path: str, out: Path, graph: str | None, layer: int, full: bool, as_json: bool) -> None:
+    from qwen2om.builtin import resolve_model
+    from qwen2om.graphdump import dump_graph
+
+    r = dump_graph(resolve_model(path), out, kind=graph, layer=layer, full=full)
+    if as_json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return
+    how = (f"layer {r.expanded} node by node, {r.collapsed} other layers as one box each"
+           if r.expanded is not None else "every node")
+    unit = "lines" if r.format == "txt" else "boxes"
+    out_console.print(f"wrote {out}: {r.graph}, {r.nodes} nodes; {how} ({r.drawn} {unit})", soft_wrap=True)
 
 
 def print_fp8_report(model: str, out: Path, r: dict) -> None:

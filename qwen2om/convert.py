@@ -14,6 +14,7 @@ from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import read_json
 from qwen2om.errors import DiskFullError, Interrupted, RecipeError
+from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.write_onnx import graph_file
@@ -84,11 +85,13 @@ def convert(
     force: bool = False, resume: bool = False, workers: int | None = None,
     progress: Callable[..., None] = no_progress,
     log: Callable[[str], None] = lambda m: None, on_step: Callable[[StepReport], None] = lambda r: None,
+    dump_graphs: bool = False,
 ) -> ConvertResult:
     """Convert `model` into the output directory `out`, atomically; see the module docstring.
 
     An interrupted run (Ctrl-C, SIGKILL, full disk) keeps its finished work in a staging
-    directory next to `out`; the same call with `resume=True` continues it.
+    directory next to `out`; the same call with `resume=True` continues it. `dump_graphs` writes
+    each graph after each pass to OUT/graphs/NN_<pass>.<kind>.txt (qwen2om/graphdump.py).
     """
     source = resolve_model(model)
     r, dims = choose_recipe(source, recipe, list(overrides or []))
@@ -102,7 +105,8 @@ def convert(
             ctx = RunContext(recipe=r, stage_dir=stage, source=source, tool_version=tools["qwen2om"],
                              progress=progress, log=log, workers=n_workers, journal=journal)
             ws = Workspace()
-            steps = run_pipeline(r.pipeline, ws, ctx, on_step)
+            after = pass_dumper(stage / "graphs") if dump_graphs else None
+            steps = run_pipeline(r.pipeline, ws, ctx, on_step, after)
             manifest = build_manifest(str(model), source, r, dims, ws, steps, tools)
             journal.remove()
             write_manifest(stage, manifest, n_workers)

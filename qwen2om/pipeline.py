@@ -114,8 +114,12 @@ def build_pass(name: str, args: dict[str, Any]) -> Pass:
 def run_pipeline(
     steps: Sequence[tuple[str, dict[str, Any]]], ws: Workspace, ctx: RunContext,
     on_step: Callable[[StepReport], None] = lambda r: None,
+    after_pass: Callable[[int, str, Workspace], None] | None = None,
 ) -> list[StepReport]:
-    """Run the passes in order; an error names the failing pass and those that ran before it."""
+    """Run the passes in order; an error names the failing pass and those that ran before it.
+
+    `after_pass(number, name, ws)` (numbered from 1) sees the workspace after each pass, untimed:
+    `convert --dump-graph` writes the graphs there."""
     check_plan([n for n, _ in steps], set(ws))
     built = [(name, build_pass(name, args)) for name, args in steps]  # bad arguments fail before any work
     reports: list[StepReport] = []
@@ -129,4 +133,6 @@ def run_pipeline(
         report = StepReport(name, time.perf_counter() - t0, result.modified, dict(result.stats))
         reports.append(report)
         on_step(report)
+        if after_pass is not None:
+            after_pass(len(reports), name, ws)
     return reports
