@@ -27,6 +27,8 @@ class LoadCheckpoint:
         expected = ckpt.validate_layout()
         if not (ckpt.root / "tokenizer.json").is_file():
             raise CheckpointError(f"{ckpt.root}: no tokenizer.json; the runtime needs it to encode prompts")
+        for part, n in ckpt.ignored.items():
+            ctx.log(f"ignoring {n} tensors under {part}.* (not part of the text model qwen2om converts)")
         ws["checkpoint"] = ckpt
         extra = len(set(ckpt.names()) - set(expected))
         return PassResult(True, {"arch": ckpt.arch.name, "tensors": len(expected), "ignored_tensors": extra,

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import torch
 
+from qwen2om.errors import CheckpointError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.rope import rope_tables
 from qwen2om.static_model import StaticQwen
@@ -24,6 +25,8 @@ class BuildStaticModel:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt, r = ws.need("checkpoint"), ctx.recipe
+        if ckpt.arch.hybrid:
+            raise CheckpointError(f"{ckpt.root}: {ckpt.arch.name} (linear-attention hybrid) has no static model yet")
         dtype = TORCH_DTYPES[r.dtype]
         cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
         shapes = {name: ckpt.shape(name) for name in (*ckpt.names(), *ckpt.quantized)}

@@ -52,7 +52,11 @@ class Checkpoint:
         self.arch: ArchSpec = resolve_arch(self.config, str(self.root / "config.json"))
         self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
         self._handles: dict[Path, Shard] = {}
-        self._where = self._locate_tensors()
+        # Text-model name → the name it is stored under, where they differ (the published wrapper).
+        self._stored: dict[str, str] = {}
+        # Parts of a published checkpoint that are not converted: name prefix → tensor count.
+        self.ignored: dict[str, int] = {}
+        self._where = self._unwrap(self._locate_tensors())
         self.quantized: dict[str, QuantWeight] = read_quantization(self.config, self._where, str(self.root))
 
     # -- discovery -------------------------------------------------------------------------
@@ -83,6 +87,32 @@ class Checkpoint:
                     raise CheckpointError(f"{shard}: the index says it holds {name!r}, but it does not")
         return where
 
+    def _unwrap(self, where: dict[str, Path]) -> dict[str, Path]:
+        """The published Qwen3.5 wrapper holds the text model under `model.language_model.*` (and
+        vision / MTP weights beside it): address the text tensors by their text-model names."""
+        inner = "model.language_model."
+        if not any(n.startswith(inner) for n in where):
+            if self.arch.wrapper_architectures and any(n.startswith("model.visual.") for n in where):
+                raise CheckpointError(f"{self.root}: holds only vision weights (model.visual.*), no text model "
+                                      f"(model.language_model.*); qwen2om converts the text model")
+            return where
+        out: dict[str, Path] = {}
+        for name, path in where.items():
+            if name.startswith(inner):
+                self._stored["model." + name[len(inner):]] = name
+                out["model." + name[len(inner):]] = path
+            elif name.startswith(("model.visual.", "mtp.")):
+                part = name.split(".")[0] if name.startswith("mtp.") else "model.visual"
+                self.ignored[part] = self.ignored.get(part, 0) + 1
+                out[name] = path
+            else:
+                out[name] = path
+        return out
+
+    def stored_name(self, name: str) -> str:
+        """The name `name` has in the safetensors files."""
+        return self._stored.get(name, name)
+
     def _open(self, shard: Path) -> Shard:
         if shard not in self._handles:
             self._handles[shard] = Shard(shard)
@@ -108,7 +138,7 @@ class Checkpoint:
         return sorted(set(self._where.values()))
 
     def info(self, name: str) -> TensorInfo:
-        return self._open(self._shard(name)).tensors[name]
+        return self._open(self._shard(name)).tensors[self.stored_name(name)]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape; for a quantised `X.weight`, its logical float shape [N, K]."""
@@ -130,12 +160,12 @@ class Checkpoint:
         if name in self.quantized:
             t = self.quantized[name].dequantize(self, rows)
             return t if dtype is None else t.to(dtype)
-        t = self._open(self._shard(name)).read(name, rows)
+        t = self._open(self._shard(name)).read(self.stored_name(name), rows)
         return t if dtype is None else t.to(dtype)
 
     def raw(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A tensor (or rows of it) exactly as stored: a quantised weight's int/fp8 storage, not its value."""
-        return self._open(self._shard(name)).read(name, rows)
+        return self._open(self._shard(name)).read(self.stored_name(name), rows)
 
     @cached_property
     def fused_experts(self) -> bool:
@@ -146,6 +176,8 @@ class Checkpoint:
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
         """Check every tensor the architecture needs is present with the config's shape."""
         want = expected_tensors(self.arch, self.dims, fused=self.fused_experts)
+        if self.dims.layer_types:
+            self._check_layer_types()
         for q in self.quantized.values():
             q.validate(self)
         for name, shape in want.items():
@@ -156,6 +188,25 @@ class Checkpoint:
                     f"but config.json implies {list(shape)}"
                 )
         return want
+
+    def _check_layer_types(self) -> None:
+        """Hybrids: each layer's tensors are of the kind `layer_types` says; the conv kernel is the config's."""
+        d, cfg = self.dims, self.root / "config.json"
+        for i, kind in enumerate(d.layer_types):
+            p = f"model.layers.{i}"
+            has_linear = f"{p}.linear_attn.out_proj.weight" in self._where
+            has_full = f"{p}.self_attn.o_proj.weight" in self._where
+            if kind == "linear_attention" and has_full and not has_linear:
+                raise CheckpointError(f"{cfg}: layer_types[{i}] is 'linear_attention', but the checkpoint holds a "
+                                      f"full-attention layer there ({p}.self_attn.*)")
+            if kind == "full_attention" and has_linear and not has_full:
+                raise CheckpointError(f"{cfg}: layer_types[{i}] is 'full_attention', but the checkpoint holds a "
+                                      f"linear-attention layer there ({p}.linear_attn.*)")
+            conv = f"{p}.linear_attn.conv1d.weight"
+            if kind == "linear_attention" and conv in self._where and self.shape(conv)[-1:] != (d.conv_kernel,):
+                raise CheckpointError(f"{self._where[conv]}: tensor {conv!r} has conv kernel size "
+                                      f"{self.shape(conv)[-1]}, but config.json says linear_conv_kernel_dim="
+                                      f"{d.conv_kernel}")
 
     def scan(self, names: set[str], *, workers: int = 1,
              progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
@@ -170,6 +221,7 @@ class Checkpoint:
             done += n  # += on an int under the GIL is safe enough for a progress bar
             progress(done, total)
 
+        names = {self.stored_name(n) for n in names}
         with ThreadPoolExecutor(max(1, workers)) as pool:
             hashes = list(pool.map(lambda p: self._scan_shard(p, names, bytes_read), self.shards))
         return {str(p.relative_to(self.root)): h for p, h in zip(self.shards, hashes, strict=True)}
