@@ -105,7 +105,10 @@ class ExportOnnx:
             inputs, outputs = graph_io(dims, **io)
             try:
                 graph, traced[kind] = None, dims.layers
-                if self.replicate and len(template.model.layers) < dims.layers:
+                # Cloning copies layer 1 for every later layer: hybrids' layers are not all alike.
+                if self.replicate and dims.layer_types and kind == next(iter(shapes)):
+                    ctx.log("layers are not uniform (linear and full attention): tracing all layers")
+                if self.replicate and len(template.model.layers) < dims.layers and not dims.layer_types:
                     small = graph_io(dataclasses.replace(dims, layers=len(template.model.layers)), **io)
                     graph = export(template, *small, r.opset)
                     try:

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from qwen2om.errors import CheckpointError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.rope import rope_tables
+from qwen2om.static_hybrid import StaticHybrid, hybrid_rope_tables
 from qwen2om.static_model import StaticQwen
 from qwen2om.weights import Weights
 
@@ -25,18 +25,20 @@ class BuildStaticModel:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ckpt, r = ws.need("checkpoint"), ctx.recipe
-        if ckpt.arch.hybrid:
-            raise CheckpointError(f"{ckpt.root}: {ckpt.arch.name} (linear-attention hybrid) has no static model yet")
         dtype = TORCH_DTYPES[r.dtype]
-        cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
+        static: type[StaticQwen] | type[StaticHybrid] = StaticHybrid if ckpt.arch.hybrid else StaticQwen
+        if ckpt.arch.hybrid:
+            cos, sin = hybrid_rope_tables(ckpt.config, ckpt.dims, int(r.max_seq_len))
+        else:
+            cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
         shapes = {name: ckpt.shape(name) for name in (*ckpt.names(), *ckpt.quantized)}
         weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
         fused = ckpt.fused_experts
-        model = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
-                           fused_experts=fused).eval()
+        model = static(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
+                       fused_experts=fused).eval()
         # The first two layers are what export_onnx traces; it clones layer 1 for the rest.
-        template = StaticQwen(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
-                              layers=min(2, ckpt.dims.layers), fused_experts=fused).eval()
+        template = static(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
+                          layers=min(2, ckpt.dims.layers), fused_experts=fused).eval()
         ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
         ws["template_model"] = template
         params = sum(p.numel() for p in model.parameters())

@@ -10,6 +10,9 @@ from qwen2om.arch import ModelDims
 ROLE_IDS, ROLE_MASK, ROLE_POSITIONS = "ids", "mask", "positions"
 ROLE_PAST_KEY, ROLE_PAST_VALUE = "past_key", "past_value"
 ROLE_LOGITS, ROLE_PRESENT_KEY, ROLE_PRESENT_VALUE = "logits", "present_key", "present_value"
+# Hybrids' linear-attention layers: the whole state in, the whole updated state out.
+ROLE_CONV_STATE, ROLE_RECURRENT_STATE = "conv_state", "recurrent_state"
+ROLE_PRESENT_CONV_STATE, ROLE_PRESENT_RECURRENT_STATE = "present_conv_state", "present_recurrent_state"
 ROLE_SCALE = "scale"  # a quantisation scale fed as an input (`scales: inputs`), values in scales.safetensors
 
 
@@ -29,7 +32,11 @@ class IOSpec:
 
 def graph_io(d: ModelDims, *, batch: int, t: int, capacity: int, dtype: str,
              logits_t: int) -> tuple[list[IOSpec], list[IOSpec]]:
-    """Inputs and outputs of one call shape: T new tokens into a cache of capacity P (BNSD)."""
+    """Inputs and outputs of one call shape: T new tokens into a cache of capacity P (BNSD).
+
+    A hybrid's linear-attention layer takes `conv_state.{i}` [B, K-1, conv_dim] (compute dtype) and
+    `recurrent_state.{i}` [B, Hv, dk, dv] (float32) where a full-attention layer takes its K/V, and
+    returns their updated values, `present_conv_state.{i}` / `present_recurrent_state.{i}`, whole."""
     kv = (batch, d.kv_heads, capacity, d.head_dim)
     new_kv = (batch, d.kv_heads, t, d.head_dim)
     inputs = [
@@ -39,6 +46,14 @@ def graph_io(d: ModelDims, *, batch: int, t: int, capacity: int, dtype: str,
     ]
     outputs = [IOSpec("logits", "float32", (batch, logits_t, d.vocab), ROLE_LOGITS)]
     for i in range(d.layers):
+        if d.is_linear(i):
+            conv = (batch, d.conv_kernel - 1, d.conv_dim)
+            rec = (batch, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim)
+            inputs += [IOSpec(f"conv_state.{i}", dtype, conv, ROLE_CONV_STATE, i),
+                       IOSpec(f"recurrent_state.{i}", "float32", rec, ROLE_RECURRENT_STATE, i)]
+            outputs += [IOSpec(f"present_conv_state.{i}", dtype, conv, ROLE_PRESENT_CONV_STATE, i),
+                        IOSpec(f"present_recurrent_state.{i}", "float32", rec, ROLE_PRESENT_RECURRENT_STATE, i)]
+            continue
         inputs += [IOSpec(f"past_key.{i}", dtype, kv, ROLE_PAST_KEY, i),
                    IOSpec(f"past_value.{i}", dtype, kv, ROLE_PAST_VALUE, i)]
         outputs += [IOSpec(f"present_key.{i}", dtype, new_kv, ROLE_PRESENT_KEY, i),

@@ -125,12 +125,12 @@ def unit_lower_inverse(n: torch.Tensor) -> torch.Tensor:
     [[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ C A⁻¹, D⁻¹]], from 1×1 blocks up, all blocks of a level at once."""
     c = n.shape[-1]
     lead = n.shape[:-2]
-    inv = torch.ones((*lead, c, 1, 1), dtype=n.dtype)
+    inv = torch.ones((*lead, c, 1, 1), dtype=n.dtype, device=n.device)
     s = 1
     while s < c:
         m = c // (2 * s)
         # The diagonal 2s-blocks of N, [..., m, 2s, 2s]; their lower-left s-block is C.
-        eye = torch.eye(m, dtype=n.dtype).view(m, 1, m, 1)
+        eye = torch.eye(m, dtype=n.dtype, device=n.device).view(m, 1, m, 1)
         diag = (n.reshape(*lead, m, 2 * s, m, 2 * s) * eye).sum(-2)
         lower = diag[..., s:, :s]
         pairs = inv.reshape(*lead, m, 2, s, s)
@@ -161,10 +161,10 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k, v = (x.reshape(b, h, n, c, x.shape[-1]) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
     gamma = g.cumsum(-1)  # log of the decay from the sub-chunk start to each row
-    causal = torch.ones(c, c, dtype=torch.bool).tril()
+    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
     decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")))
     kb = k * beta[..., None]
-    strict = torch.ones(c, c).tril(-1)
+    strict = torch.ones(c, c, device=k.device).tril(-1)
     inv = unit_lower_inverse(torch.matmul(kb, k.transpose(-1, -2)) * decay * strict)
     u = torch.matmul(inv, v * beta[..., None])  # what each row writes, before the state's prediction
     w = torch.matmul(inv, kb * torch.exp(gamma)[..., None])  # how each row reads the incoming state
@@ -240,7 +240,7 @@ class GatedDeltaNet(nn.Module):
             # conv_state to just in front of it (rows left of it are only read by pads).
             km1 = conv_state.shape[1]
             pads = t - valid.to(torch.int64).sum(-1, keepdim=True)  # [B, 1]
-            i = torch.arange(km1 + t)[None]
+            i = torch.arange(km1 + t, device=x.device)[None]
             src = torch.where(i < km1 + pads, torch.clamp(i - pads, min=0), i)
             seq = torch.gather(seq, 1, src[..., None].expand(bsz, km1 + t, seq.shape[-1]))
         new_conv = seq[:, t:]

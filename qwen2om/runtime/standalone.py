@@ -46,6 +46,9 @@ class BackendError(RuntimeInputError):
 
 
 PAST_ROLES, PRESENT_ROLES = ("past_key", "past_value"), ("present_key", "present_value")
+# Hybrids' linear-attention layers: whole states in, whole updated states out, copied back per row.
+STATE_ROLES = ("conv_state", "recurrent_state")
+PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
 
 
 def cache_targets(spec: dict) -> list[tuple[dict, str]]:
@@ -53,6 +56,13 @@ def cache_targets(spec: dict) -> list[tuple[dict, str]]:
     past = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in PAST_ROLES}
     return [(io, past[(io["role"].replace("present_", "past_"), io.get("layer"))])
             for io in spec["outputs"] if io["role"] in PRESENT_ROLES]
+
+
+def state_targets(spec: dict) -> list[tuple[dict, str]]:
+    """Each updated-state output of a graph, with the name of the state input it replaces."""
+    state = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in STATE_ROLES}
+    return [(io, state[(io["role"].replace("present_", ""), io.get("layer"))])
+            for io in spec["outputs"] if io["role"] in PRESENT_STATE_ROLES]
 
 
 def pick_gear(gears: Sequence[int], n: int, kind: str) -> int:
@@ -202,6 +212,7 @@ class _Graph:
         for io in spec["outputs"]:
             self._bind(io["name"], np.zeros(io["shape"], dtype=io["dtype"]), self.binding.bind_ortvalue_output)
         self.presents = [(self.buffers[io["name"]], caches[past]) for io, past in cache_targets(spec)]
+        self.states = [(self.buffers[io["name"]], caches[name]) for io, name in state_targets(spec)]
 
     def _bind(self, name: str, buf: np.ndarray, bind: Callable[[str, ort.OrtValue], None]) -> None:
         value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
@@ -221,6 +232,11 @@ class _Graph:
         for new, cache in self.presents:
             for b, pad, start, n in writes:
                 cache[b, :, start:start + n, :] = new[b, :, pad:pad + n, :]
+        # Linear-attention states: the whole updated state, only for rows that fed real tokens (a row
+        # with nothing in this call ran on pads only, and its old state must stay).
+        for new, state in self.states:
+            for b, _, _, _ in writes:
+                state[b] = new[b]
 
 
 # -- pyACL (Ascend NPU) backend ------------------------------------------------------------------
@@ -505,8 +521,12 @@ class Engine:
         self._release: Callable[[], None] = lambda: None
         # The host KV cache of the ONNX Runtime backend; the ACL backend keeps its cache on the NPU.
         self.caches: dict[str, np.ndarray] = {}
+        self.state_specs: dict[str, dict] = {}  # linear-attention state inputs (hybrids), by name
         self.graphs: dict[str, GraphCall]
         if backend == "acl":
+            if any(io["role"] in STATE_ROLES for io in first["inputs"]):
+                raise BackendError("the acl backend does not carry linear-attention states (Qwen3.5 / Qwen3-Next "
+                                   "hybrids) yet; use --backend ort")
             self.graphs, self._release = open_acl(self.dir, specs, scales, device)
             return
         options = ort.SessionOptions()
@@ -517,7 +537,8 @@ class Engine:
         if threads:
             options.intra_op_num_threads = threads
         self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
-                       if io["role"] in PAST_ROLES}
+                       if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
+        self.state_specs = {io["name"]: io for io in first["inputs"] if io["role"] in STATE_ROLES}
         self.caches.update(scales)
         prov = list(providers) or ["CPUExecutionProvider"]
         self.graphs = {kind: _Graph(self.dir / s["file"], s, self.caches, options, prov) for kind, s in specs.items()}
@@ -535,8 +556,24 @@ class Engine:
 
     # -- the model call ---------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget the conversation: lengths to zero (stale cache slots are masked, never read)."""
+        """Forget the conversation: lengths to zero (stale cache slots are masked, never read) and
+        linear-attention states to zero (a state is read whole, so it must be cleared)."""
         self.lengths[:] = 0
+        for name in self.state_specs:
+            self.caches[name].fill(0)
+
+    def set_state(self, name: str, value: np.ndarray) -> None:
+        """Replace the linear-attention state `name` (e.g. one saved after a shared prompt prefix) in
+        place; it must have the graph's exact shape and dtype."""
+        io = self.state_specs.get(name)
+        if io is None:
+            raise RuntimeInputError(f"{name!r} is not a state input of this model "
+                                    f"(states: {', '.join(self.state_specs) or 'none'})")
+        value = np.asarray(value)
+        if list(value.shape) != list(io["shape"]) or value.dtype != np.dtype(io["dtype"]):
+            raise RuntimeInputError(f"state {name!r} is {value.dtype}{list(value.shape)}, the graph takes "
+                                    f"{io['dtype']}{list(io['shape'])}")
+        self.caches[name][...] = value
 
     def _call(self, kind: str, rows: list[list[int]]) -> np.ndarray:
         """Feed each row's tokens (left-padded to the smallest gear that holds the longest row) at its
