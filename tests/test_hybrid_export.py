@@ -61,3 +61,11 @@ def test_runtime_owns_states(converted) -> None:
         saved = np.full((1, 3, 128), 0.5, np.float32)
         engine.set_state("conv_state.0", saved)
         assert np.array_equal(engine.caches["conv_state.0"], saved)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-5", "tiny-qwen3-next"])
+def test_hybrid_fp16(converted, name: str) -> None:
+    """fp16 graphs (recurrent state still float32): greedy tokens agree, logits close."""
+    report = verify(converted(name, "fp16", CHUNK), f"builtin:{name}", tokens=32)
+    assert report.dtype == "float16"
+    assert report.agreement >= 0.99 and report.max_abs < 0.1, report.to_dict()
