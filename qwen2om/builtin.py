@@ -21,7 +21,9 @@ def cache_root() -> Path:
 # format, 128×128 tiles, bf16 scales as in Qwen3-*-FP8). tiny-qwen3's 64/160-wide weights make
 # every tile ragged; the trained model's are all multiples of 128 (what transformers loads right).
 FP8_BUILTINS = {"tiny-qwen3-fp8": "tiny-qwen3", "tiny-qwen3-trained-fp8": "tiny-qwen3-trained",
-                "tiny-qwen3-moe-fp8": "tiny-qwen3-moe"}
+                "tiny-qwen3-moe-fp8": "tiny-qwen3-moe",
+                # Hybrids: Qwen3.5 as published (wrapper) and Qwen3-Next, linear-attention projections FP8 too.
+                "tiny-qwen3-5-fp8": "tiny-qwen3-5", "tiny-qwen3-next-fp8": "tiny-qwen3-next"}
 
 
 def builtin_names() -> list[str]:

@@ -7,6 +7,7 @@ weights, and resident memory never holds more than the tensors in hand (see safe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -56,8 +57,11 @@ class Checkpoint:
         self._stored: dict[str, str] = {}
         # Parts of a published checkpoint that are not converted: name prefix → tensor count.
         self.ignored: dict[str, int] = {}
-        self._where = self._unwrap(self._locate_tensors())
-        self.quantized: dict[str, QuantWeight] = read_quantization(self.config, self._where, str(self.root))
+        stored = self._locate_tensors()
+        self._where = self._unwrap(stored)
+        # Quantisation is read from the files' own names, then addressed by text-model names too.
+        found = read_quantization(self.config, stored, str(self.root))
+        self.quantized: dict[str, QuantWeight] = {self.text_name(n): self._renamed(q) for n, q in found.items()}
 
     # -- discovery -------------------------------------------------------------------------
     def _locate_tensors(self) -> dict[str, Path]:
@@ -108,6 +112,17 @@ class Checkpoint:
             else:
                 out[name] = path
         return out
+
+    def text_name(self, stored: str) -> str:
+        """The text-model name of a tensor stored as `stored` (itself outside the wrapper)."""
+        inner = "model.language_model."
+        return "model." + stored[len(inner):] if self._stored and stored.startswith(inner) else stored
+
+    def _renamed(self, q: QuantWeight) -> QuantWeight:
+        """`q` with every tensor name it holds given as a text-model name."""
+        names = {f.name: self.text_name(v) for f in dataclasses.fields(q)  # type: ignore[arg-type]
+                 if isinstance(v := getattr(q, f.name), str)}
+        return dataclasses.replace(q, **names)  # type: ignore[type-var]
 
     def stored_name(self, name: str) -> str:
         """The name `name` has in the safetensors files."""

@@ -69,3 +69,18 @@ def test_hybrid_fp16(converted, name: str) -> None:
     report = verify(converted(name, "fp16", CHUNK), f"builtin:{name}", tokens=32)
     assert report.dtype == "float16"
     assert report.agreement >= 0.99 and report.max_abs < 0.1, report.to_dict()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-5-fp8", "tiny-qwen3-next-fp8"])
+def test_hybrid_fp8(converted, name: str) -> None:
+    """FP8 (Hugging Face fine-grained) hybrids, the published wrapper included: the full-attention,
+    linear-attention and MLP projections stay FP8 in the graph; exact against the dequantised weights."""
+    out = converted(name, "fp32", CHUNK)
+    stages = json.loads((out / "manifest.json").read_text())["stages"]
+    lowered = next(s["stats"] for s in stages if s["pass"] == "lower_fp8")["lowered"]
+    # Per graph: 4 in the full-attention layer, 3 linear layers × 3 (qkv, z, out; Qwen3-Next packs qkvz: 2),
+    # 4 × 3 MLP projections (Qwen3-Next: its shared experts; routed experts go FP8 only on request).
+    want = 4 + (9 if name == "tiny-qwen3-5-fp8" else 6) + 12
+    assert lowered == 2 * want
+    report = verify(out, f"builtin:{name}", tokens=32)
+    assert report.max_abs <= 1e-4 and report.agreement == 1.0, report.to_dict()
