@@ -98,6 +98,38 @@ def derived_initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights
     return v
 
 
+def quantized_matmuls(graph: ir.Graph, bindings: dict[str, WeightRef], quantized: dict[str, Any],
+                      kind: type) -> list[tuple[ir.Node, Any]]:
+    """The graph's `MatMul(x, Wᵀ)` nodes whose weight is a checkpoint weight of type `kind`
+    (Int4Weight, Fp8Weight), with it; a snapshot, so the caller may rewrite as it goes."""
+    found = []
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        w = node.inputs[1]
+        ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
+        q = quantized.get(ref.source) if ref is not None and ref.transpose else None
+        if isinstance(q, kind):
+            found.append((node, q))
+    return found
+
+
+def replace_matmul(graph: ir.Graph, node: ir.Node, new: list[ir.Node], out: ir.Value) -> None:
+    """Put `new` (computing `out`) where the MatMul `node` was: `out` takes its output's name, shape
+    and uses (a graph output, the fp32 LM head's `logits`, included); its weight goes when unused."""
+    old, w = node.outputs[0], node.inputs[1]
+    graph.insert_before(node, new)
+    out.shape, out.type = old.shape, old.type
+    if old.is_graph_output():  # first: replace_all_uses_with refuses a graph output
+        graph.outputs[list(graph.outputs).index(old)] = out
+    old.replace_all_uses_with(out)
+    name = old.name
+    graph.remove(node, safe=True)
+    out.name = name
+    if w is not None and not w.uses():
+        graph.initializers.pop(w.name)
+
+
 def e4m3_table() -> np.ndarray:
     """float32 value of every e4m3fn byte (0x7F and 0xFF are NaN)."""
     return torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float().numpy()
@@ -129,14 +161,8 @@ class LowerFp8:
         lowered, stacks = 0, 0
         for model in ws.need("graphs").values():
             graph = model.graph
-            for node in list(graph):
-                if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-                    continue
+            for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Fp8Weight):
                 w = node.inputs[1]
-                ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
-                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
-                if not isinstance(q, Fp8Weight):
-                    continue
                 dequantized = self.dequantize(graph, q, ckpt, weights, bindings, compute)
                 node.replace_input_with(1, dequantized)
                 if not w.uses():

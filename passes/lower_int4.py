@@ -23,7 +23,14 @@ import onnx_ir as ir
 import torch
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import STACK, const, derived_initializer, replace_stack_uses
+from qwen2om.passes.lower_fp8 import (
+    STACK,
+    const,
+    derived_initializer,
+    quantized_matmuls,
+    replace_matmul,
+    replace_stack_uses,
+)
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
@@ -59,14 +66,7 @@ class LowerInt4:
         lowered = 0
         for model in ws.need("graphs").values():
             graph = model.graph
-            for node in list(graph):
-                if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-                    continue
-                w = node.inputs[1]
-                ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
-                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
-                if not isinstance(q, Int4Weight):  # float, or FP8 (lower_fp8's)
-                    continue
+            for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Int4Weight):  # not FP8: lower_fp8's
                 if q.k % q.group or q.group < 16 or q.group & (q.group - 1):
                     raise Qwen2omError(f"{q.base}: MatMulNBits needs a power-of-two group ≥ 16 dividing K={q.k}; "
                                        f"this checkpoint has group {q.group}")
@@ -86,18 +86,7 @@ class LowerInt4:
                     ir.AttrInt64("K", q.k), ir.AttrInt64("N", q.n), ir.AttrInt64("bits", 4),
                     ir.AttrInt64("block_size", q.group), ir.AttrInt64("accuracy_level", self.accuracy_level)],
                     num_outputs=1, name=(node.name or "").replace("MatMul", "MatMulNBits"))
-                out, new_out = node.outputs[0], new.outputs[0]
-                new_out.shape, new_out.type = out.shape, out.type
-                graph.insert_before(node, new)
-                if out.is_graph_output():  # an fp32 LM head's output is `logits` itself; first, or
-                    idx = list(graph.outputs).index(out)  # replace_all_uses_with refuses
-                    graph.outputs[idx] = new_out
-                out.replace_all_uses_with(new_out)
-                name = out.name
-                graph.remove(node, safe=True)
-                new_out.name = name
-                if not w.uses():
-                    graph.initializers.pop(w.name)
+                replace_matmul(graph, node, [new], new.outputs[0])
                 lowered += 1
             model.opset_imports[MS_DOMAIN] = 1
         stacks = sum(lower_int4_stacks(ws, model.graph, ckpt, weights, bindings, onnx_dtype)

@@ -34,7 +34,7 @@ import torch
 from qwen2om.ascend import soc_info
 from qwen2om.errors import Qwen2omError
 from qwen2om.kernels.ascend import NPU_DOMAIN, WQBMM, pack_int4_int32
-from qwen2om.passes.lower_fp8 import const, derived_initializer
+from qwen2om.passes.lower_fp8 import const, derived_initializer, quantized_matmuls, replace_matmul
 from qwen2om.passes.lower_int4 import NBITS_SCALE
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
@@ -70,28 +70,10 @@ class LowerInt4Ascend:
         lowered = 0
         for model in ws.need("graphs").values():
             graph = model.graph
-            for node in list(graph):
-                if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-                    continue
-                w = node.inputs[1]
-                ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
-                q = ckpt.quantized.get(ref.source) if ref is not None and ref.transpose else None
-                if not isinstance(q, Int4Weight):
-                    continue
+            for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Int4Weight):
                 nodes: list[ir.Node] = []
-                x = node.inputs[0]
-                out = node.outputs[0]
-                y = (self.wqbmm if form == "wqbmm" else self.antiquant)(graph, nodes, q, x, ckpt, weights, bindings)
-                graph.insert_before(node, nodes)
-                y.shape, y.type = out.shape, out.type
-                if out.is_graph_output():
-                    graph.outputs[list(graph.outputs).index(out)] = y
-                out.replace_all_uses_with(y)
-                name = out.name
-                graph.remove(node, safe=True)
-                y.name = name
-                if not w.uses():
-                    graph.initializers.pop(w.name)
+                lower = self.wqbmm if form == "wqbmm" else self.antiquant
+                replace_matmul(graph, node, nodes, lower(graph, nodes, q, node.inputs[0], ckpt, weights, bindings))
                 lowered += 1
             if form == "wqbmm":
                 model.opset_imports[NPU_DOMAIN] = 1
