@@ -29,7 +29,10 @@ KEEP_FLOAT = (
 
 QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",
                  # MoE: every expert on its own (per-expert layout), and qwen2_moe's shared expert
-                 r"^model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
+                 r"^model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$",
+                 # Hybrids' linear attention: the wide projections (in_proj_a / in_proj_b feed the decay
+                 # and the write strength of every head: kept float, like the router)
+                 r"^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
 LM_HEAD = "lm_head.weight"
 
 

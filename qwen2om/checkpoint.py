@@ -95,22 +95,19 @@ class Checkpoint:
         """The published Qwen3.5 wrapper holds the text model under `model.language_model.*` (and
         vision / MTP weights beside it): address the text tensors by their text-model names."""
         inner = "model.language_model."
-        if not any(n.startswith(inner) for n in where):
-            if self.arch.wrapper_architectures and any(n.startswith("model.visual.") for n in where):
-                raise CheckpointError(f"{self.root}: holds only vision weights (model.visual.*), no text model "
-                                      f"(model.language_model.*); qwen2om converts the text model")
-            return where
         out: dict[str, Path] = {}
         for name, path in where.items():
             if name.startswith(inner):
                 self._stored["model." + name[len(inner):]] = name
                 out["model." + name[len(inner):]] = path
-            elif name.startswith(("model.visual.", "mtp.")):
-                part = name.split(".")[0] if name.startswith("mtp.") else "model.visual"
+                continue
+            if self.arch.wrapper_architectures and name.startswith(("model.visual.", "mtp.")):
+                part = "mtp" if name.startswith("mtp.") else "model.visual"
                 self.ignored[part] = self.ignored.get(part, 0) + 1
-                out[name] = path
-            else:
-                out[name] = path
+            out[name] = path
+        if self.ignored.get("model.visual") and not any(n.startswith("model.layers.") for n in out):
+            raise CheckpointError(f"{self.root}: holds only vision weights (model.visual.*), no text model "
+                                  f"(model.language_model.*); qwen2om converts the text model")
         return out
 
     def text_name(self, stored: str) -> str:

@@ -7,7 +7,8 @@ layer's weights are resident: the samples' hidden states are carried from layer 
 files on disk, so peak memory is one layer plus the budget, whatever the number of layers.
 
 The layer code is the static model's own (`qwen2om/static_model.py`), with an empty KV cache
-and a causal mask: the same numerics the exported graph has.
+and a causal mask (hybrids' linear-attention layers: zero conv and recurrent states): the same
+numerics the exported graph has.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.rope import rope_tables
+from qwen2om.static_hybrid import HybridLayer, ZeroCentredRMSNorm, hybrid_rope_tables, state_shapes
 from qwen2om.static_model import DecoderLayer, RMSNorm
 from qwen2om.weights import Weights
 
@@ -114,8 +116,11 @@ class LayerRunner:
             store.put(i, torch.cat(rows)[None].numpy())
         return store
 
-    def layer(self, index: int) -> DecoderLayer:
+    def layer(self, index: int) -> DecoderLayer | HybridLayer:
         """Decoder layer `index` with its real weights (and only its weights) loaded."""
+        if self.ckpt.arch.hybrid:
+            return HybridLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
+                               fused=self.ckpt.fused_experts).eval()
         return DecoderLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
                             fused=self.ckpt.fused_experts).eval()
 
@@ -145,23 +150,33 @@ class LayerRunner:
         return store
 
     def final_norm(self, store: ActivationStore) -> list[torch.Tensor]:
-        norm = RMSNorm(self.weights(), "model.norm", self.d.rms_eps)
+        norm_class = ZeroCentredRMSNorm if self.ckpt.arch.hybrid else RMSNorm
+        norm = norm_class(self.weights(), "model.norm", self.d.rms_eps)
         with torch.no_grad():
             return [norm(torch.from_numpy(np.array(store.get(i)))) for i in store]
 
-    def forward(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: DecoderLayer | HybridLayer, x: torch.Tensor) -> torch.Tensor:
         """One sample [1, T, hidden] through `layer`, causal, from an empty cache."""
         t = x.shape[1]
         cos, sin = self._tables(t)
         lo = torch.finfo(self.dtype).min
         mask = torch.triu(torch.full((t, t), lo, dtype=self.dtype), 1)[None, None]
         empty = torch.zeros(1, self.d.kv_heads, 0, self.d.head_dim, dtype=self.dtype)
+        if isinstance(layer, HybridLayer):
+            if not layer.linear:
+                return layer(x.to(self.dtype), cos, sin, mask, None, empty, empty)[0]
+            conv, rec = state_shapes(self.d, x.shape[0])
+            states = torch.zeros(conv, dtype=self.dtype), torch.zeros(rec)
+            return layer(x.to(self.dtype), cos, sin, mask, None, *states)[0]
         y, _, _ = layer(x.to(self.dtype), cos, sin, mask, empty, empty)
         return y
 
     def _tables(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[2] < t:
-            cos, sin = rope_tables(self.ckpt.config, max(t, 256))
+            if self.ckpt.arch.hybrid:
+                cos, sin = hybrid_rope_tables(self.ckpt.config, self.d, max(t, 256))
+            else:
+                cos, sin = rope_tables(self.ckpt.config, max(t, 256))
             self._rope = (cos.to(self.dtype)[None, None], sin.to(self.dtype)[None, None])
         cos, sin = self._rope
         return cos[:, :, :t], sin[:, :, :t]

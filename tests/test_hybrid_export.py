@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from qwen2om.checkpoint import Checkpoint
 from qwen2om.runtime.standalone import Engine, RuntimeInputError, Sampling
 from qwen2om.verify import verify
 
@@ -83,4 +84,27 @@ def test_hybrid_fp8(converted, name: str) -> None:
     want = 4 + (9 if name == "tiny-qwen3-5-fp8" else 6) + 12
     assert lowered == 2 * want
     report = verify(out, f"builtin:{name}", tokens=32)
+    assert report.max_abs <= 1e-4 and report.agreement == 1.0, report.to_dict()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-5", "tiny-qwen3-next"])
+def test_hybrid_w4a16(name: str, tmp_path) -> None:
+    """GPTQ W4A16 of a hybrid, layer by layer through the static hybrid layers (zero states): the
+    full-attention, linear-attention (not in_proj_a/b) and MLP/expert projections go int4 and stay
+    int4 in the graph (MatMulNBits, accuracy level 0); exact against the dequantised checkpoint."""
+    from qwen2om.convert import convert
+    from qwen2om.quant.calibrate import CalibrationConfig, calibrate
+
+    ckpt = tmp_path / "w4a16"
+    calibrate(f"builtin:{name}", ckpt, CalibrationConfig(method="gptq", group_size=16, num_samples=8, seq_len=64))
+    quantized = Checkpoint(ckpt).quantized
+    proj = "in_proj_qkv" if name == "tiny-qwen3-5" else "in_proj_qkvz"
+    assert f"model.layers.0.linear_attn.{proj}.weight" in quantized
+    assert not any(n.endswith(("in_proj_a.weight", "in_proj_b.weight", "in_proj_ba.weight")) for n in quantized)
+    result = convert(ckpt, tmp_path / "out", overrides=["max_seq_len=256", CHUNK])
+    lowered = next(s for s in result.manifest["stages"] if s["pass"] == "lower_int4")["stats"]["lowered"]
+    linear = 3 * (3 if name == "tiny-qwen3-5" else 2)
+    assert lowered >= 2 * (4 + linear + 12)
+    report = verify(tmp_path / "out", str(ckpt), tokens=32)
+    assert max(p.prompt_tokens for p in report.prompts) > 32
     assert report.max_abs <= 1e-4 and report.agreement == 1.0, report.to_dict()
