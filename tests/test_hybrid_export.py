@@ -108,3 +108,27 @@ def test_hybrid_w4a16(name: str, tmp_path) -> None:
     report = verify(tmp_path / "out", str(ckpt), tokens=32)
     assert max(p.prompt_tokens for p in report.prompts) > 32
     assert report.max_abs <= 1e-4 and report.agreement == 1.0, report.to_dict()
+
+
+def test_hybrid_batch_rows_of_unequal_length(converted) -> None:
+    """Batch 2, prompts of 40 and 10 tokens: the short row is empty in the first prefill calls (its
+    graph rows are all pads), and its states must come through untouched. Every step against transformers."""
+    import torch
+    import transformers
+
+    from qwen2om.builtin import resolve_model
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen3-5"),
+                                                            dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 1000, 40).tolist(), rng.integers(0, 1000, 10).tolist()]
+    with Engine(converted("tiny-qwen3-5", "fp32", CHUNK, "batch_size=2")) as engine:
+        logits = engine.prefill(rows)
+        for _ in range(4):
+            for r, ids in enumerate(rows):
+                with torch.no_grad():
+                    want = ref(torch.tensor([ids])).logits[0, -1].numpy()
+                assert np.abs(logits[r] - want).max() <= 1e-4
+            nxt = [int(np.argmax(x)) for x in logits]
+            rows = [ids + [t] for ids, t in zip(rows, nxt, strict=True)]
+            logits = engine.step(nxt)
