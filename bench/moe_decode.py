@@ -75,7 +75,7 @@ def child_qwen2om(spec: dict[str, Any]) -> Timing:
     Engine(Path(spec["out"]), threads=spec["threads"])  # session load alone, timed once
     load = time.perf_counter() - t0
     row, _ = bench_qwen2om(Path(spec["out"]), spec["ids"], spec["new_tokens"], spec["threads"], spec["runs"])
-    return Timing("qwen2om ORT fp32", row.decode_tps, row.ttft_ms, load, tokens=row.tokens)
+    return Timing(spec["name"], row.decode_tps, row.ttft_ms, load, tokens=row.tokens)
 
 
 def child_transformers(spec: dict[str, Any]) -> Timing:
