@@ -68,7 +68,7 @@ class FakeModel:
             return [b, t]
         if name == "attention_mask":
             return [b, 1, t, self.P + t]
-        if name.startswith("present_"):
+        if name.startswith(("present_key", "present_value")):  # present_*_state: whole states, no T axis
             return [*shape[:2], t, shape[3]]
         if name == "logits" and shape[1] == self.T:
             return [b, t, shape[2]]

@@ -179,3 +179,19 @@ def test_real_npu_matches_onnx_runtime(converted) -> None:
         assert int(np.argmax(got_logits)) == int(np.argmax(want_logits))
         got = greedy(npu, ids, 16)
     assert np.mean(np.array(got) == np.array(want)) >= 0.9, (got, want)
+
+
+def test_fake_acl_carries_hybrid_states(converted, fake: FakeAcl, tmp_path: Path) -> None:
+    """Qwen3.5 hybrid: conv and recurrent states live in device buffers shared by both graphs, are
+    replaced device to device after each call and zeroed on reset; the tokens are ONNX Runtime's."""
+    out = converted("tiny-qwen3-5", "fp32", "prefill_chunk=16")
+    ort = Engine(out)
+    ids = ort.encode(PROMPT)[:2 * 16 + 5]  # three prefill calls: the states cross two chunk boundaries
+    want = greedy(ort, ids)
+    with Engine(with_om(out, tmp_path / "acl"), backend="acl") as acl:
+        assert acl.caches == {} and len(acl.state_specs) == 6
+        assert greedy(acl, ids) == want
+        assert greedy(acl, ids) == want  # generate resets: states zeroed on the device
+        with pytest.raises(RuntimeInputError, match="the graph takes float32"):
+            acl.set_state("recurrent_state.0", np.zeros((1, 4, 16, 8), np.float32))
+    assert fake.leaks() == []

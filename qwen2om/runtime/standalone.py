@@ -89,7 +89,16 @@ class GraphCall(Protocol):
         ...
 
     def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
-        """Append the last call's new K/V to the cache: (row, first real token, cache position, count)."""
+        """Append the last call's new K/V to the cache: (row, first real token, cache position, count);
+        hybrids: replace those rows' linear-attention states by the call's updated ones."""
+        ...
+
+    def clear_states(self) -> None:
+        """Zero the linear-attention states (hybrids; nothing otherwise)."""
+        ...
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        """Overwrite the linear-attention state `name` (already checked against the signature)."""
         ...
 
 
@@ -212,7 +221,7 @@ class _Graph:
         for io in spec["outputs"]:
             self._bind(io["name"], np.zeros(io["shape"], dtype=io["dtype"]), self.binding.bind_ortvalue_output)
         self.presents = [(self.buffers[io["name"]], caches[past]) for io, past in cache_targets(spec)]
-        self.states = [(self.buffers[io["name"]], caches[name]) for io, name in state_targets(spec)]
+        self.states = {name: (self.buffers[io["name"]], caches[name]) for io, name in state_targets(spec)}
 
     def _bind(self, name: str, buf: np.ndarray, bind: Callable[[str, ort.OrtValue], None]) -> None:
         value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
@@ -234,9 +243,16 @@ class _Graph:
                 cache[b, :, start:start + n, :] = new[b, :, pad:pad + n, :]
         # Linear-attention states: the whole updated state, only for rows that fed real tokens (a row
         # with nothing in this call ran on pads only, and its old state must stay).
-        for new, state in self.states:
+        for new, state in self.states.values():
             for b, _, _, _ in writes:
                 state[b] = new[b]
+
+    def clear_states(self) -> None:
+        for _, state in self.states.values():
+            state.fill(0)
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        self.states[name][1][...] = value
 
 
 # -- pyACL (Ascend NPU) backend ------------------------------------------------------------------
@@ -369,6 +385,9 @@ class _AclGraph:
         self.logits_io = next(io for io in spec["outputs"] if io["role"] == "logits")
         self.logits = np.zeros(self.logits_io["shape"], dtype=self.logits_io["dtype"]).reshape(-1)
         self.presents = [(io, self.ptr[io["name"]], shared[past], self.specs[past]) for io, past in cache_targets(spec)]
+        # Hybrids: each updated state output, the shared device state it replaces, its bytes and batch.
+        self.states = {name: (self.ptr[io["name"]], shared[name], _nbytes(io["shape"], io["dtype"]), io["shape"][0])
+                       for io, name in state_targets(spec)}
         self.t = self.tokens
 
     def _gears(self, acl: Any, desc: int, path: Path, spec: dict) -> dict[int, dict]:
@@ -425,6 +444,19 @@ class _AclGraph:
                     to = dst + ((b * heads + h) * capacity + start) * row
                     self.dev.copy(to, end - to, src + ((b * heads + h) * t + pad) * row, n * row,
                                   ACL_MEMCPY_DEVICE_TO_DEVICE)
+        for src, dst, size, batch in self.states.values():  # whole rows, device to device
+            row = size // batch
+            for b, _, _, _ in writes:
+                self.dev.copy(dst + b * row, size - b * row, src + b * row, row, ACL_MEMCPY_DEVICE_TO_DEVICE)
+
+    def clear_states(self) -> None:
+        for _, dst, size, _ in self.states.values():
+            _ok(self.dev.acl.rt.memset(dst, size, 0, size), "acl.rt.memset")
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        host = np.ascontiguousarray(value)
+        _, dst, size, _ = self.states[name]
+        self.dev.copy(dst, size, host.ctypes.data, size, ACL_MEMCPY_HOST_TO_DEVICE)
 
 
 def check_om(path: Path, kind: str, spec: dict, inputs: list[tuple[str, int]], outputs: list[int]) -> None:
@@ -475,7 +507,7 @@ def open_acl(model_dir: Path, specs: dict, scales: dict[str, np.ndarray],
         dev.open(device)
         shared = {}
         for io in next(iter(specs.values()))["inputs"]:
-            if io["role"] in PAST_ROLES or io["role"] == "scale":
+            if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES or io["role"] == "scale":
                 size = _nbytes(io["shape"], io["dtype"])
                 shared[io["name"]] = ptr = dev.malloc(size)
                 if io["role"] == "scale":
@@ -521,12 +553,10 @@ class Engine:
         self._release: Callable[[], None] = lambda: None
         # The host KV cache of the ONNX Runtime backend; the ACL backend keeps its cache on the NPU.
         self.caches: dict[str, np.ndarray] = {}
-        self.state_specs: dict[str, dict] = {}  # linear-attention state inputs (hybrids), by name
         self.graphs: dict[str, GraphCall]
+        # Linear-attention state inputs (hybrids), by name: zeroed and copied back by the graphs.
+        self.state_specs: dict[str, dict] = {io["name"]: io for io in first["inputs"] if io["role"] in STATE_ROLES}
         if backend == "acl":
-            if any(io["role"] in STATE_ROLES for io in first["inputs"]):
-                raise BackendError("the acl backend does not carry linear-attention states (Qwen3.5 / Qwen3-Next "
-                                   "hybrids) yet; use --backend ort")
             self.graphs, self._release = open_acl(self.dir, specs, scales, device)
             return
         options = ort.SessionOptions()
@@ -538,7 +568,6 @@ class Engine:
             options.intra_op_num_threads = threads
         self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
                        if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
-        self.state_specs = {io["name"]: io for io in first["inputs"] if io["role"] in STATE_ROLES}
         self.caches.update(scales)
         prov = list(providers) or ["CPUExecutionProvider"]
         self.graphs = {kind: _Graph(self.dir / s["file"], s, self.caches, options, prov) for kind, s in specs.items()}
@@ -559,8 +588,8 @@ class Engine:
         """Forget the conversation: lengths to zero (stale cache slots are masked, never read) and
         linear-attention states to zero (a state is read whole, so it must be cleared)."""
         self.lengths[:] = 0
-        for name in self.state_specs:
-            self.caches[name].fill(0)
+        for g in self.graphs.values():  # the graphs share the state buffers; each clears its view
+            g.clear_states()
 
     def set_state(self, name: str, value: np.ndarray) -> None:
         """Replace the linear-attention state `name` (e.g. one saved after a shared prompt prefix) in
@@ -573,7 +602,7 @@ class Engine:
         if list(value.shape) != list(io["shape"]) or value.dtype != np.dtype(io["dtype"]):
             raise RuntimeInputError(f"state {name!r} is {value.dtype}{list(value.shape)}, the graph takes "
                                     f"{io['dtype']}{list(io['shape'])}")
-        self.caches[name][...] = value
+        next(iter(self.graphs.values())).write_state(name, value)  # the graphs share the state buffers
 
     def _call(self, kind: str, rows: list[list[int]]) -> np.ndarray:
         """Feed each row's tokens (left-padded to the smallest gear that holds the longest row) at its
