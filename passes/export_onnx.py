@@ -15,7 +15,7 @@ import torch
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
-from qwen2om.replicate import TemplateError, replicate_layers
+from qwen2om.replicate import TemplateError, layer_kinds, replicate_layers
 from qwen2om.signature import IOSpec, graph_io
 
 NP_TO_TORCH = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16}
@@ -105,14 +105,11 @@ class ExportOnnx:
             inputs, outputs = graph_io(dims, **io)
             try:
                 graph, traced[kind] = None, dims.layers
-                # Cloning copies layer 1 for every later layer: hybrids' layers are not all alike.
-                if self.replicate and dims.layer_types and kind == next(iter(shapes)):
-                    ctx.log("layers are not uniform (linear and full attention): tracing all layers")
-                if self.replicate and len(template.model.layers) < dims.layers and not dims.layer_types:
+                if self.replicate and len(template.model.layers) < dims.layers:
                     small = graph_io(dataclasses.replace(dims, layers=len(template.model.layers)), **io)
                     graph = export(template, *small, r.opset)
                     try:
-                        replicate_layers(graph, dims.layers)
+                        replicate_layers(graph, dims.layers, layer_kinds(dims))
                         traced[kind] = len(template.model.layers)
                     except TemplateError as e:
                         ctx.log(f"{kind} graph: cannot clone layers ({e}); tracing all {dims.layers} layers instead")

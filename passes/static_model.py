@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.replicate import layer_kinds, template_layers
 from qwen2om.rope import rope_tables
 from qwen2om.static_hybrid import StaticHybrid, hybrid_rope_tables
 from qwen2om.static_model import StaticQwen
@@ -36,9 +37,9 @@ class BuildStaticModel:
         fused = ckpt.fused_experts
         model = static(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
                        fused_experts=fused).eval()
-        # The first two layers are what export_onnx traces; it clones layer 1 for the rest.
+        # The first layers (two; hybrids four) are what export_onnx traces; it clones the rest from them.
         template = static(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
-                          layers=min(2, ckpt.dims.layers), fused_experts=fused).eval()
+                          layers=template_layers(layer_kinds(ckpt.dims)), fused_experts=fused).eval()
         ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
         ws["template_model"] = template
         params = sum(p.numel() for p in model.parameters())

@@ -1,5 +1,8 @@
 """Build an L-layer graph from an exported 2-layer one by cloning the last layer's nodes.
 
+Hybrids (Qwen3.5: linear, linear, linear, full, ...) trace the first layers up to one stamp per kind
+after layer 0 (four layers) and clone each later layer from the stamp of its kind.
+
 Exporting all L layers costs time and memory in proportion to L (the exporter traces and
 optimises every layer; 28 layers of Qwen3-1.7B take minutes and gigabytes even with meta
 weights). Every decoder layer of a kind has the same structure and differs only in its weights
@@ -20,9 +23,13 @@ raises TemplateError and the caller exports all layers instead.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
+from collections.abc import Hashable, Sequence
 
 import onnx_ir as ir
+
+from qwen2om.arch import ModelDims
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 LAYER_SCOPE = re.compile(r"^model\.layers\.(\d+)$")
@@ -66,57 +73,103 @@ def taints(graph: ir.Graph, cut: ir.Value | None = None) -> dict[ir.Value, froze
     return out
 
 
-def replicate_layers(model: ir.Model, layers: int) -> int:
-    """Grow a 2-layer export to `layers` layers in place; returns the number of nodes added."""
-    graph = model.graph
-    if layers <= 2:
-        return 0
-    src = 1
+@dataclasses.dataclass
+class LayerTemplate:
+    """One traced layer as a stamp: its nodes, the hidden state in and out, its own weights and I/O."""
+
+    index: int
+    body: list[ir.Node]
+    carry_in: ir.Value
+    carry_out: ir.Value
+    sources: list[ir.Value]
+    io_out: list[ir.Value]
+
+
+def layer_template(graph: ir.Graph, src: int, taint: dict[ir.Value, frozenset[int]]) -> LayerTemplate:
+    """Layer `src` of the traced graph, checked to be self-contained but for its carried hidden state."""
     body = [n for n in graph if node_layer(n) == src]
     members = set(body)
     if not body:
-        raise TemplateError("no nodes are scoped to model.layers.1")
+        raise TemplateError(f"no nodes are scoped to model.layers.{src}")
     if any(a.type == ir.AttributeType.GRAPH or a.type == ir.AttributeType.GRAPHS
            for n in body for a in n.attributes.values()):
         raise TemplateError("the layer has subgraphs")
-    taint = taints(graph)
     outside_in = {v for n in body for v in n.inputs
                   if v is not None and v.producer() is not None and v.producer() not in members}
     carry_in = [v for v in outside_in if 0 in taint[v]]
     if len(carry_in) != 1:
-        raise TemplateError(f"layer 1 takes {len(carry_in)} inputs computed from layer 0, not 1")
+        raise TemplateError(f"layer {src} takes {len(carry_in)} inputs computed from layer 0, not 1")
     leaving = {v for n in body for v in n.outputs
                if not v.is_graph_output() and any(user not in members for user, _ in v.uses())}
     if len(leaving) != 1:
-        raise TemplateError(f"layer 1 hands {len(leaving)} values to the rest of the graph, not 1")
+        raise TemplateError(f"layer {src} hands {len(leaving)} values to the rest of the graph, not 1")
     carry_out = leaving.pop()
     beside_carry = taints(graph, cut=carry_out)
     escaped = [n for n in graph if n not in members and any(src in beside_carry[v] for v in n.outputs)]
     if escaped:
-        raise TemplateError(f"{len(escaped)} nodes outside layer 1 use its weights or cache directly")
+        raise TemplateError(f"{len(escaped)} nodes outside layer {src} use its weights or cache directly")
     io_out = [v for v in graph.outputs if v.producer() in members]  # in signature order
     if any(name_layer(v.name) != src for v in io_out):
-        raise TemplateError("layer 1 produces graph outputs that are not its own")
+        raise TemplateError(f"layer {src} produces graph outputs that are not its own")
     sources = [v for v in (*graph.inputs, *graph.initializers.values()) if name_layer(v.name) == src]
-    tail_uses = [(user, i) for user, i in carry_out.uses() if user not in members]
+    return LayerTemplate(src, body, carry_in[0], carry_out, sources, io_out)
 
-    anchor, prev_out, added = body[-1], carry_out, 0
-    for layer in range(src + 1, layers):
-        vmap: dict[ir.Value, ir.Value] = {carry_in[0]: prev_out}
-        for v in sources:
-            new = ir.Value(name=rename_layer(v.name or "", src, layer), shape=v.shape, type=v.type)
+
+def layer_kinds(d: ModelDims) -> list[Hashable]:
+    """What makes two layers' graphs differ: attention kind (hybrids) and dense or sparse MLP."""
+    return [(d.layer_types[i] if d.layer_types else "", d.is_sparse(i)) for i in range(d.layers)]
+
+
+def template_layers(kinds: Sequence[Hashable]) -> int:
+    """How many leading layers to trace so that every later layer's kind has a stamp other than layer 0
+    (2 for uniform layers; 4 for Qwen3.5's linear, linear, linear, full pattern)."""
+    for n in range(2, len(kinds) + 1):
+        if set(kinds[n:]) <= set(kinds[1:n]):
+            return n
+    return len(kinds)
+
+
+def replicate_layers(model: ir.Model, layers: int, kinds: Sequence[Hashable] | None = None) -> int:
+    """Grow the traced leading layers of an export to `layers` layers in place; returns the number of
+    nodes added. `kinds` (one per layer; default all alike) says which traced layer stamps which:
+    each later layer is cloned from the last traced layer (not layer 0) of its kind."""
+    graph = model.graph
+    kinds = list(kinds) if kinds is not None else [0] * layers
+    traced = 1 + max((node_layer(n) for n in graph if node_layer(n) is not None), default=-1)
+    if layers <= max(traced, 2):
+        return 0
+    if traced < 2:
+        raise TemplateError("no nodes are scoped to model.layers.1")
+    taint = taints(graph)
+    stamps: dict[Hashable, LayerTemplate] = {}
+    for src in range(1, traced):
+        stamps[kinds[src]] = layer_template(graph, src, taint)
+    if missing := {kinds[i] for i in range(traced, layers)} - set(stamps):
+        raise TemplateError(f"no traced layer after layer 0 is of kind {sorted(map(str, missing))}")
+    last = stamps[kinds[traced - 1]]
+    if last.index != traced - 1:
+        raise TemplateError("the last traced layer is not the stamp of its kind")
+    members = set(last.body)
+    tail_uses = [(user, i) for user, i in last.carry_out.uses() if user not in members]
+
+    anchor, prev_out, added = last.body[-1], last.carry_out, 0
+    for layer in range(traced, layers):
+        t = stamps[kinds[layer]]
+        vmap: dict[ir.Value, ir.Value] = {t.carry_in: prev_out}
+        for v in t.sources:
+            new = ir.Value(name=rename_layer(v.name or "", t.index, layer), shape=v.shape, type=v.type)
             if v.is_initializer():
                 # Weights are value-less placeholders until write_onnx binds them (like the traced ones).
                 graph.initializers.add(new)
             else:
                 graph.inputs.append(new)
             vmap[v] = new
-        clones = [clone_node(n, vmap, src, layer) for n in body]
+        clones = [clone_node(n, vmap, t.index, layer) for n in t.body]
         graph.insert_after(anchor, clones)
         anchor, added = clones[-1], added + len(clones)
-        for v in io_out:
+        for v in t.io_out:
             graph.outputs.append(vmap[v])
-        prev_out = vmap[carry_out]
+        prev_out = vmap[t.carry_out]
     for user, i in tail_uses:
         user.replace_input_with(i, prev_out)
     return added

@@ -71,3 +71,36 @@ def test_a_graph_without_layer_scopes_is_refused() -> None:
     graph = ir.Graph([x], node.outputs, nodes=[node])
     with pytest.raises(TemplateError, match="no nodes"):
         replicate_layers(ir.Model(graph, ir_version=8), 4)
+
+
+def test_hybrid_layers_clone_by_kind(tmp_path, monkeypatch) -> None:
+    """Qwen3-Next with 8 layers (linear ×3, full, linear ×3, full): four layers traced, layers 4-7 cloned
+    from the stamp of their kind (layer 3 for full attention, 2 for linear); same graph as all traced."""
+    import dataclasses
+
+    from qwen2om.fixtures import tiny
+
+    spec = tiny.TINY["tiny-qwen3-next"]
+    monkeypatch.setitem(tiny.TINY, "tiny-qwen3-next-8", dataclasses.replace(
+        spec, name="tiny-qwen3-next-8", config={**spec.config, "num_hidden_layers": 8}))
+    ws_rep, stats_rep = build("tiny-qwen3-next-8", tmp_path, True)
+    ws_full, stats_full = build("tiny-qwen3-next-8", tmp_path, False)
+    assert stats_rep["prefill_layers_traced"] == 4 and stats_full["prefill_layers_traced"] == 8
+    for kind in ("decode", "prefill"):
+        # A full trace may share a mask-only value between the two full-attention layers (the
+        # exporter's CSE); the clone of layer 3 recomputes it: at most one node more, same numbers.
+        assert 0 <= stats_rep[f"{kind}_nodes"] - stats_full[f"{kind}_nodes"] <= 1
+        a, b = session(ws_rep["onnx_files"][kind]), session(ws_full["onnx_files"][kind])
+        assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
+        assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
+        rng = np.random.default_rng(0)
+        feeds = {}
+        for i in a.get_inputs():
+            if i.type == "tensor(int64)":
+                feeds[i.name] = rng.integers(0, 60, size=i.shape).astype(np.int64)
+            elif i.name == "attention_mask":  # a real mask: the conv reads which rows are pads from it
+                feeds[i.name] = np.where(rng.random(i.shape) < 0.5, 0, np.finfo(np.float32).min).astype(np.float32)
+            else:
+                feeds[i.name] = rng.standard_normal(i.shape).astype(np.float32)
+        for x, y, o in zip(a.run(None, feeds), b.run(None, feeds), a.get_outputs(), strict=True):
+            assert np.array_equal(x, y), o.name
