@@ -94,3 +94,18 @@ def test_vision_only_checkpoint(cli, checkpoint, tmp_path) -> None:
     assert drop_tensors(ckpt, "model.language_model.") > 0
     drop_tensors(ckpt, "lm_head.")
     convert_fails(cli, ckpt, tmp_path, "only vision weights", "model.language_model")
+
+
+def test_published_qwen3_5_moe_table_is_what_we_expect() -> None:
+    """Qwen3.5-35B-A3B's published tensor table (fixtures/layouts.py, 4 layers, text part: fused 3-D experts
+    under model.language_model.*) is exactly the table the registry expects, name for name and shape for shape."""
+    from qwen2om.fixtures.synthetic import resolve_preset
+
+    p = resolve_preset("qwen3.5-35b-a3b", 4)
+    cfg = p.layout.config_for(4)
+    inner = "model.language_model."
+    published = {("model." + n[len(inner):] if n.startswith(inner) else n): tuple(s)
+                 for n, s in p.layout.tensors(cfg).items()}
+    arch = resolve_arch(cfg)
+    assert arch.name == "qwen3_5_moe"
+    assert published == expected_tensors(arch, ModelDims.from_config(cfg), fused=True)

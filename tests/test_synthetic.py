@@ -207,8 +207,7 @@ def test_qwen3_5_table_is_the_published_fused_layout() -> None:
 
 @pytest.mark.parametrize("preset", LAYOUT_PRESETS)
 def test_layout_configs_are_the_published_ones(preset: str, tmp_path: Path) -> None:
-    from qwen2om.arch import resolve_arch
-    from qwen2om.errors import CheckpointError
+    from qwen2om.arch import ModelDims, resolve_arch
 
     p = resolve_preset(preset, 2)
     p.write_configs(tmp_path)
@@ -237,12 +236,13 @@ def test_layout_configs_are_the_published_ones(preset: str, tmp_path: Path) -> N
         assert text.num_experts == 128 and text.norm_topk_prob is True
     gen = json.loads((tmp_path / "generation_config.json").read_text())
     assert raw.get("text_config", raw)["eos_token_id"] in gen["eos_token_id"]
-    if raw["model_type"] == "qwen3_moe":  # supported since the MoE issue
-        assert resolve_arch(raw).name == "qwen3_moe"
-        return
-    # `qwen2om convert` does not take these architectures yet and says so.
-    with pytest.raises(CheckpointError, match="unsupported model_type"):
-        resolve_arch(raw)
+    # Both supported now (qwen3_moe since the MoE issue, the Qwen3.5 wrapper since the hybrids issue),
+    # with the published config's dimensions.
+    assert resolve_arch(raw).name == {"qwen3-30b-a3b": "qwen3_moe", "qwen3.5-35b-a3b": "qwen3_5_moe"}[preset]
+    if preset == "qwen3.5-35b-a3b":
+        d = ModelDims.from_config(raw)
+        assert d.layer_types == ("linear_attention", "full_attention") and d.rotary_dim == 64
+        assert (d.experts, d.top_k, d.shared_intermediate, d.norm_topk_prob) == (256, 8, 512, True)
 
 
 def _tiny(preset: str) -> dict[str, object]:
