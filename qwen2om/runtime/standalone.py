@@ -4,7 +4,9 @@
 This file is both `qwen2om.runtime.standalone` and, copied verbatim, `OUT/run.py`: it must not
 import torch, transformers or qwen2om. It reads `manifest.json` beside the graphs for the
 I/O signature, owns one preallocated KV cache per layer, and after each call writes only the
-new tokens' K/V into it (no concatenation, no copy of the whole cache per step). Long prompts
+new tokens' K/V into it (no concatenation, no copy of the whole cache per step); a Qwen3.5 /
+Qwen3-Next hybrid's linear-attention layers instead take their conv and recurrent states whole and
+return them updated, and the engine copies back the rows a call fed. Long prompts
 are prefilled chunk by chunk; the first chunk is left-padded so every chunk's last row is a
 real token and the prefill graph may return the last position's logits only.
 
