@@ -19,19 +19,40 @@ import onnxruntime as ort
 from qwen2om.errors import Qwen2omError
 from qwen2om.kernels.ascend import cpu_runnable, decompose, has_ascend_ops
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
-from qwen2om.signature import IOSpec
+from qwen2om.signature import IOSpec, token_axes
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT,
               "float16": onnx.TensorProto.FLOAT16}
 
 
-def signature_of(values: list[onnx.ValueInfoProto]) -> list[tuple[str, int, list[int]]]:
-    return [(v.name, v.type.tensor_type.elem_type, [d.dim_value for d in v.type.tensor_type.shape.dim])
+def signature_of(values: list[onnx.ValueInfoProto]) -> list[tuple[str, int, list[int | str]]]:
+    """(name, elem type, dims) per value; a symbolic dim is its name (`T`, `T+256`)."""
+    return [(v.name, v.type.tensor_type.elem_type,
+             [d.dim_param if d.HasField("dim_param") else d.dim_value for d in v.type.tensor_type.shape.dim])
             for v in values]
 
 
-def check_structure(path: Path, inputs: list[IOSpec], outputs: list[IOSpec]) -> int:
-    """Checker, exact signature, external byte ranges; returns the bytes the graph references."""
+def expected_dims(spec: IOSpec, tokens: int | None) -> list[int | str]:
+    """The dims a value must have in the file: the signature's, or with `tokens` (a gears graph) its token
+    axes symbolic, named as export_onnx names them."""
+    dims: list[int | str] = list(spec.shape)
+    if tokens is not None:
+        for axis, off in token_axes(spec.role, spec.shape, tokens).items():
+            dims[axis] = f"T+{off}" if off else "T"
+    return dims
+
+
+def at_tokens(spec: IOSpec, tokens: int, t: int) -> tuple[int, ...]:
+    """`spec`'s shape in a call of `t` tokens (the graph's largest call is `tokens`)."""
+    dims = list(spec.shape)
+    for axis, off in token_axes(spec.role, spec.shape, tokens).items():
+        dims[axis] = t + off
+    return tuple(dims)
+
+
+def check_structure(path: Path, inputs: list[IOSpec], outputs: list[IOSpec], gears: list[int] | None = None) -> int:
+    """Checker, exact signature (with `gears`, token axes symbolic), external byte ranges; returns the bytes
+    the graph references."""
     try:
         proto = onnx.load(path, load_external_data=False)
         if has_ascend_ops(proto):  # the ONNX checker knows no Ascend op: check what they decompose into
@@ -50,7 +71,8 @@ def check_structure(path: Path, inputs: list[IOSpec], outputs: list[IOSpec]) -> 
         raise Qwen2omError(f"{path.name}: not a valid ONNX model ({str(e).strip().splitlines()[0]})") from None
     for what, got, want in (("input", proto.graph.input, inputs), ("output", proto.graph.output, outputs)):
         got_sig = signature_of(list(got))
-        want_sig = [(s.name, ONNX_TYPES[s.dtype], list(s.shape)) for s in want]
+        tokens = inputs[0].shape[1] if gears else None
+        want_sig = [(s.name, ONNX_TYPES[s.dtype], expected_dims(s, tokens)) for s in want]
         if got_sig != want_sig:
             got_only = [g for g in got_sig if g not in want_sig]
             want_only = [w for w in want_sig if w not in got_sig]
@@ -70,17 +92,21 @@ def check_structure(path: Path, inputs: list[IOSpec], outputs: list[IOSpec]) -> 
     return referenced
 
 
-def trial_run(path: Path, inputs: list[IOSpec]) -> None:
+def trial_run(path: Path, inputs: list[IOSpec], gears: list[int] | None = None) -> None:
+    """All-zero inputs give finite logits; with gears, at the smallest and the largest."""
     try:
         options = ort.SessionOptions()
         options.add_session_config_entry("session.disable_prepacking", "1")  # no second weight copy
         sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as e:
         raise Qwen2omError(f"{path.name}: ONNX Runtime cannot load the graph ({e})") from None
-    feeds = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in inputs}
-    logits = sess.run(["logits"], feeds)[0]
-    if not np.isfinite(logits).all():
-        raise Qwen2omError(f"{path.name}: logits are not finite on an all-zero input")
+    tokens = inputs[0].shape[1]
+    for t in sorted({min(gears), max(gears)}) if gears else [tokens]:
+        feeds = {s.name: np.zeros(at_tokens(s, tokens, t), dtype=s.dtype) for s in inputs}
+        logits = sess.run(["logits"], feeds)[0]
+        if not np.isfinite(logits).all():
+            at = f" at gear {t}" if gears else ""
+            raise Qwen2omError(f"{path.name}: logits are not finite on an all-zero input{at}")
 
 
 def check_scale_map(stage: Path, sigs: dict[str, tuple[list[IOSpec], list[IOSpec]]]) -> None:
@@ -113,16 +139,16 @@ class CheckOutputs:
         self.run_limit = run_limit_mb << 20
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        files, sigs = ws.need("onnx_files"), ws.need("signatures")
+        files, sigs, gears = ws.need("onnx_files"), ws.need("signatures"), ws.get("graph_gears", {})
         check_scale_map(ctx.stage_dir, sigs)
         ran = 0
         for kind, (inputs, outputs) in sigs.items():
-            weights = check_structure(files[kind], inputs, outputs)
+            weights = check_structure(files[kind], inputs, outputs, gears.get(kind))
             if ctx.recipe.dtype == "fp16":
                 weights *= 2  # ONNX Runtime's CPU kernels are fp32: it keeps upcast copies of fp16 weights
             if weights <= self.run_limit:
                 with cpu_runnable(files[kind].parent) as view:  # Ascend ops run as their decompositions
-                    trial_run(view / files[kind].name, inputs)
+                    trial_run(view / files[kind].name, inputs, gears.get(kind))
                 ran += 1
             elif kind == next(iter(sigs)):
                 ctx.log(f"check_outputs: {weights / 2**30:.2f} GiB of weights is above the {self.run_limit >> 20} MiB "

@@ -2,7 +2,8 @@
 
 Per graph (decode, prefill) one `atc --framework=5` command, generated from the same I/O signature
 that goes into manifest.json (qwen2om/atc.py: every input in `--input_shape`, scale inputs
-included, never typed by hand), plus the files it names:
+included, never typed by hand; a graph exported for prefill gears gets -1 token axes and
+`--dynamic_dims`), plus the files it names:
 
     OUT/ascend/compile.sh           reruns every command from its own directory
     OUT/ascend/atc_commands.json    the argv lists, for tools
@@ -41,8 +42,10 @@ def om_name(kind: str) -> str:
 def commands(ws: Workspace, opts: AtcOptions) -> tuple[list[list[str]], list[list[str]]]:
     """(compile commands, `--mode=1` JSON dump commands), one of each per graph."""
     compile_cmds, dump_cmds = [], []
+    gears = ws.get("graph_gears", {})
     for kind, (inputs, outputs) in ws.need("signatures").items():
-        graph = {"inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
+        graph = {"inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs],
+                 "tokens": inputs[0].shape[1], "gears": gears.get(kind, [])}
         compile_cmds.append(atc_command(f"../{graph_file(kind)}", om_name(kind), graph, opts,
                                         keep_dtype_file=KEEP_DTYPE, mixlist_file=MIXLIST))
         dump_cmds.append(["atc", "--mode=1", f"--om={om_name(kind)}.om", f"--json={om_name(kind)}.json"])
@@ -84,6 +87,8 @@ class CompileAscend:
         atc = shutil.which("atc")
         stats: dict[str, int | float | str] = {"commands": len(compile_cmds), "soc_version": r.soc_version,
                                                "precision": r.precision}
+        if r.gears:
+            stats["gears"] = ",".join(map(str, r.gears))
         if r.compile == "dry-run" or atc is None:
             why = "--dry-run" if r.compile == "dry-run" else "CANN's `atc` was not found on PATH"
             ctx.log(f"{why}: wrote the ATC commands to {ASCEND_DIR}/{SCRIPT}; run it on a machine with CANN "

@@ -1,4 +1,11 @@
-"""Export the static model with torch.onnx (dynamo) once per call shape: decode and prefill."""
+"""Export the static model with torch.onnx (dynamo) once per call shape: decode and prefill.
+
+With prefill gears (`gears`, ATC --dynamic_dims), the prefill graph is exported once with a symbolic
+token count T (torch.export Dim, T in [2, largest gear]; the mask's last axis is the derived P + T):
+one ONNX graph that is valid at every gear, so ATC compiles each gear from it, and ONNX Runtime runs
+it on CPU at any of them. The signature in the manifest stays at the largest gear (what the runtime
+allocates); `graph_gears` says which graph takes which gears.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,10 @@ import contextlib
 import dataclasses
 import io
 import logging
+import re
 import warnings
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import onnx_ir as ir
 import onnxscript.optimizer
@@ -16,7 +25,7 @@ import torch
 from qwen2om.errors import Qwen2omError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.replicate import TemplateError, layer_kinds, replicate_layers
-from qwen2om.signature import IOSpec, graph_io
+from qwen2om.signature import IOSpec, graph_io, token_axes
 
 NP_TO_TORCH = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16}
 NP_DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -61,16 +70,63 @@ def quiet_exporter():  # type: ignore[no-untyped-def]
                 lg.setLevel(level)
 
 
-def export(model: torch.nn.Module, inputs: list[IOSpec], outputs: list[IOSpec], opset: int) -> ir.Model:
+TOKENS_DIM = "T"  # the symbolic token axis of a gears graph, as named in the ONNX file
+
+
+def dynamic_shapes(inputs: list[IOSpec], gears: Sequence[int]) -> list[Any]:
+    """torch.export dynamic_shapes for a graph whose token axes (signature.token_axes) are symbolic.
+
+    T's lower bound is 2, not the smallest gear: a trace is valid for the range it was traced over, and
+    at T = 1 the model's Python takes the decode branches (MoE gathers its top-k experts). The ONNX
+    graph has no such branch left, so it still computes correctly at a gear of 1."""
+    tokens = max(gears)
+    t = torch.export.Dim(TOKENS_DIM, min=2, max=tokens)
+    shapes: list[Any] = []
+    for s in inputs:
+        axes = token_axes(s.role, s.shape, tokens)
+        shapes.append({axis: t + off if off else t for axis, off in axes.items()} or None)
+    # torch.onnx rewrites nested tuples in dynamic_shapes into lists: the cache goes in as a list.
+    return [*shapes[:3], shapes[3:]]
+
+
+def name_token_dim(model: ir.Model) -> int:
+    """Rename the exporter's symbol for T (`s69`, `s69 + 256`) to `T` in every shape; returns how many dims."""
+    ids = model.graph.inputs[0].shape
+    sym = ids[1] if ids is not None and len(ids) == 2 else None
+    if not isinstance(sym, ir.SymbolicDim) or not sym.value:
+        return 0
+    pattern, n = re.compile(rf"\b{re.escape(sym.value)}\b"), 0
+    values = [*model.graph.inputs, *model.graph.outputs, *(v for node in model.graph for v in node.outputs)]
+    for v in values:
+        if v.shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value and pattern.search(d.value)
+                                      for d in v.shape):
+            continue
+        dims = [ir.SymbolicDim(pattern.sub(TOKENS_DIM, d.value).replace(" ", ""))
+                if isinstance(d, ir.SymbolicDim) and d.value else d for d in v.shape]
+        v.shape = ir.Shape(dims)
+        n += sum(isinstance(d, ir.SymbolicDim) for d in dims)
+    return n
+
+
+def export(model: torch.nn.Module, inputs: list[IOSpec], outputs: list[IOSpec], opset: int,
+           gears: Sequence[int] = ()) -> ir.Model:
+    """The ONNX graph of `model` at the signature's shapes; with `gears`, its token axes symbolic."""
     device = next(model.parameters()).device.type
+    args = example_args(inputs, device)
+    extra: dict[str, Any] = {}
+    if gears:
+        args = (*args[:3], list(args[3]))  # type: ignore[misc]
+        extra["dynamic_shapes"] = dynamic_shapes(inputs, gears)
     with quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
-            model, example_args(inputs, device), dynamo=True, opset_version=opset,
+            model, args, dynamo=True, opset_version=opset,
             input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
-            optimize=False, verify=False,
+            optimize=False, verify=False, **extra,
         )
         drop_meta_values(program.model)
         onnxscript.optimizer.optimize_ir(program.model)
+    if gears:
+        name_token_dim(program.model)
     return program.model
 
 
@@ -87,7 +143,7 @@ class ExportOnnx:
 
     name: ClassVar[str] = "export_onnx"
     requires: ClassVar[tuple[str, ...]] = ("static_model", "template_model", "checkpoint")
-    produces: ClassVar[tuple[str, ...]] = ("graphs", "signatures")
+    produces: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "graph_gears")
 
     def __init__(self, replicate: bool = True) -> None:
         self.replicate = replicate
@@ -97,7 +153,10 @@ class ExportOnnx:
         dims = ckpt.dims
         graphs, sigs, traced = {}, {}, {}
         shapes = call_shapes(r)
+        # Prefill gears: the prefill graph's T is symbolic (the recipe made its chunk the largest gear).
+        gear_map = {"prefill": list(r.gears)} if r.gears and "prefill" in shapes else {}
         for n, (kind, t) in enumerate(shapes.items()):
+            gears = gear_map.get(kind, [])
             ctx.progress(f"exporting {kind} graph (T={t})", n, len(shapes))
             logits_t = 1 if (t == 1 or r.logits == "last") else t
             io = {"batch": r.batch_size, "t": t, "capacity": int(r.max_seq_len), "dtype": NP_DTYPES[r.dtype],
@@ -107,7 +166,7 @@ class ExportOnnx:
                 graph, traced[kind] = None, dims.layers
                 if self.replicate and len(template.model.layers) < dims.layers:
                     small = graph_io(dataclasses.replace(dims, layers=len(template.model.layers)), **io)
-                    graph = export(template, *small, r.opset)
+                    graph = export(template, *small, r.opset, gears)
                     try:
                         replicate_layers(graph, dims.layers, layer_kinds(dims))
                         traced[kind] = len(template.model.layers)
@@ -115,13 +174,14 @@ class ExportOnnx:
                         ctx.log(f"{kind} graph: cannot clone layers ({e}); tracing all {dims.layers} layers instead")
                         graph = None
                 if graph is None:
-                    graph = export(full, inputs, outputs, r.opset)
+                    graph = export(full, inputs, outputs, r.opset, gears)
             except Exception as e:  # the exporter's own errors are long; keep the first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e
             graphs[kind], sigs[kind] = graph, (inputs, outputs)
             ctx.progress(f"exporting {kind} graph (T={t})", n + 1, len(shapes))
-        ws["graphs"], ws["signatures"] = graphs, sigs
+        ws["graphs"], ws["signatures"], ws["graph_gears"] = graphs, sigs, gear_map
         stats: dict[str, int | float | str] = {f"{k}_nodes": len(list(g.graph)) for k, g in graphs.items()}
+        stats.update({f"{k}_gears": ",".join(map(str, g)) for k, g in gear_map.items()})
         stats.update({f"{k}_layers_traced": v for k, v in traced.items()})
         return PassResult(True, stats)

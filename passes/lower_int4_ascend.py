@@ -115,7 +115,14 @@ class LowerInt4Ascend:
                                                                    np.array([-1, q.k], np.int64)))
         y = self.op(nodes, f"{p}/{WQBMM}", WQBMM, flat, packed, scale, offset, domain=NPU_DOMAIN,
                     antiquant_group_size=q.group, dtype=-1)
-        lead = [int(d) for d in x.shape[:-1]] if x.shape is not None else [-1]
+        # Back to x's leading dims. A prefill graph exported for gears has a symbolic T among them: one
+        # symbolic dim is Reshape's -1; more than one are read from x at run time.
+        lead = [d if isinstance(d, int) else -1 for d in x.shape[:-1]] if x.shape is not None else [-1]
+        if lead.count(-1) > 1:
+            dims = self.op(nodes, f"{p}/Shape", "Shape", x, end=-1)
+            shape = self.op(nodes, f"{p}/Concat", "Concat", dims,
+                            const(graph, f"shape[{q.n}]", np.array([q.n], np.int64)), axis=0)
+            return self.op(nodes, f"{p}/Reshape_1", "Reshape", y, shape)
         return self.op(nodes, f"{p}/Reshape_1", "Reshape", y,
                        const(graph, f"shape{lead + [q.n]}", np.array([*lead, q.n], np.int64)))
 

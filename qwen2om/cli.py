@@ -102,6 +102,10 @@ def convert(
                                                     "Ascend310B1); implies --target ascend")] = None,
     precision: Annotated[str | None, typer.Option(help="--target ascend: ATC --precision_mode_v2: origin (keep "
                                                   "the graph's dtypes, default), mixed_float16 or fp16")] = None,
+    gears: Annotated[str | None, typer.Option(help="--target ascend: prefill chunk sizes compiled into one .om "
+                                              "with ATC --dynamic_dims, e.g. 16,32,64,128 (the largest is the "
+                                              "prefill chunk); each prompt chunk runs at the smallest that "
+                                              "holds it")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="--target ascend: write OUT/ascend/ (the atc "
                                           "commands and their files) without running atc, even if CANN is "
                                           "installed")] = False,
@@ -138,7 +142,7 @@ def convert(
         target = "ascend"
     for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
                        ("batch_size", batch_size), ("target", target), ("scales", scales),
-                       ("soc_version", soc_version), ("precision", precision),
+                       ("soc_version", soc_version), ("precision", precision), ("gears", gears),
                        ("compile", "dry-run" if dry_run else None)):
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -165,8 +169,10 @@ def convert(
         files.add_row(f["name"], fmt_bytes(f["bytes"]))
     out_console.print(files)
     rt = m["runtime"]
+    shapes = [f"{k} (T={g['tokens']}" + (f", gears {','.join(map(str, g['gears']))})" if g.get("gears") else ")")
+              for k, g in m["graphs"].items()]
     out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']} "
-                      f"· graphs: " + ", ".join(f"{k} (T={g['tokens']})" for k, g in m["graphs"].items()))
+                      f"· graphs: " + ", ".join(shapes))
     out_console.print(f"next: qwen2om run {out} --prompt 'Hello' --greedy   |   python {out}/run.py --prompt 'Hello'")
 
 

@@ -57,6 +57,10 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
         family = arch.recipe or arch.name
         recipe = f"{family}-ascend-{dtype}" if target == "ascend" else f"{family}-{dtype}"
     r = apply_overrides(load_recipe(recipe), overrides)
+    if r.gears and arch.hybrid:  # checked here, before any work: export_onnx would fail minutes later
+        raise RecipeError(f"gears={','.join(map(str, r.gears))}: prefill gears are not supported for {arch.name} "
+                          "yet (its chunked linear attention splits a chunk into blocks by the chunk size, "
+                          "static_hybrid.py, so one graph cannot serve every gear); convert without --gears")
     return r.resolved(dims.max_positions), dims
 
 
@@ -137,8 +141,12 @@ def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any
 def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
                    steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
     ckpt = ws.need("checkpoint")
+    # `gears`: the token counts a graph exported with a symbolic T takes (ATC --dynamic_dims); its
+    # inputs/outputs are listed at the largest, `tokens`.
+    gears = ws.get("graph_gears", {})
     graphs = {
         kind: {"file": graph_file(kind), "tokens": inputs[0].shape[1],
+               **({"gears": list(gears[kind])} if gears.get(kind) else {}),
                "inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
         for kind, (inputs, outputs) in ws.need("signatures").items()
     }

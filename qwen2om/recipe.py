@@ -24,6 +24,7 @@ WEIGHT_STORAGE = ("auto", "int8")
 COMPILE = ("auto", "dry-run")
 LOGITS = ("last", "all")
 SCALES = ("auto", "constants", "inputs")
+MAX_GEARS = 100  # ATC accepts at most 100 --dynamic_dims gears
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +48,15 @@ class Recipe:
     precision: str = "origin"  # ATC --precision_mode_v2: origin keeps the graph's dtypes
     weight_storage: str = "auto"  # int8: int4 weights stored as int8 + AscendAntiQuant (310B: W8A16)
     compile: str = "auto"  # auto: run atc when CANN is installed; dry-run: write the commands only
+    # Prefill chunk sizes compiled into one .om with ATC --dynamic_dims; the largest is the prefill chunk.
+    # Empty: one static prefill graph of prefill_chunk tokens.
+    gears: tuple[int, ...] = ()
     name: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["pipeline"] = [{n: a} if a else n for n, a in self.pipeline]
+        d["gears"] = list(self.gears)
         return d
 
     def resolved(self, max_positions: int) -> Recipe:
@@ -59,7 +64,10 @@ class Recipe:
         p = min(2048, max_positions) if self.max_seq_len == AUTO else int(self.max_seq_len)
         if p > max_positions:
             raise RecipeError(f"max_seq_len={p} exceeds the model's max_position_embeddings={max_positions}")
-        c = min(128, p) if self.prefill_chunk == AUTO else int(self.prefill_chunk)
+        if self.gears and self.prefill_chunk == AUTO:  # the prefill graph's T is the largest gear
+            c = max(self.gears)
+        else:
+            c = min(128, p) if self.prefill_chunk == AUTO else int(self.prefill_chunk)
         r = dataclasses.replace(self, max_seq_len=p, prefill_chunk=c)
         r.check()
         if r.target == "ascend" and not r.soc_version:
@@ -94,6 +102,7 @@ class Recipe:
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):
                 raise RecipeError(f"{field}={v!r} must be a positive integer or 'auto'")
+        self.check_gears()  # before the chunk/capacity check: with gears, the chunk is the largest gear
         if isinstance(self.max_seq_len, int) and isinstance(self.prefill_chunk, int):
             if self.prefill_chunk > self.max_seq_len:
                 raise RecipeError(f"prefill_chunk={self.prefill_chunk} exceeds max_seq_len={self.max_seq_len}")
@@ -109,6 +118,55 @@ class Recipe:
         for name, _ in self.pipeline:
             PASSES.get(name)
         check_plan([n for n, _ in self.pipeline])
+
+
+    def check_gears(self) -> None:
+        """Gears are ATC --dynamic_dims prefill chunk sizes: ascend only, 2..100 distinct positive token
+        counts, none above the prefill chunk (which the largest one is) or the cache capacity."""
+        g = self.gears
+        if not g:
+            return
+        shown = ",".join(map(str, g))
+        if self.target != "ascend":
+            raise RecipeError(f"gears={shown} compiles prefill gears with ATC --dynamic_dims, which only the ascend "
+                              f"target does (this recipe's target is {self.target}): add --target ascend "
+                              "--soc-version ..., or drop --gears (the ort target runs one static prefill graph)")
+        if bad := [x for x in g if x < 1]:
+            raise RecipeError(f"gears={shown}: gear {bad[0]} is not a positive token count")
+        if dup := sorted({x for x in g if g.count(x) > 1}):
+            raise RecipeError(f"gears={shown}: gear {dup[0]} is listed more than once")
+        if len(g) < 2:
+            raise RecipeError(f"gears={shown}: one gear is a static prefill graph; use --prefill-chunk {g[0]} "
+                              "instead, or give at least two gears")
+        if len(g) > MAX_GEARS:
+            raise RecipeError(f"gears: {len(g)} gears, ATC --dynamic_dims takes at most {MAX_GEARS}")
+        if isinstance(self.prefill_chunk, int):
+            if over := [x for x in g if x > self.prefill_chunk]:
+                raise RecipeError(f"gears={shown}: gear {over[0]} is outside 1..{self.prefill_chunk} (prefill_chunk, "
+                                  "the most tokens one prefill call takes)")
+            if max(g) != self.prefill_chunk:
+                raise RecipeError(f"gears={shown}: the largest gear is the prefill chunk, but prefill_chunk="
+                                  f"{self.prefill_chunk}; add gear {self.prefill_chunk} or leave --prefill-chunk out")
+        if isinstance(self.max_seq_len, int) and (over := [x for x in g if x > self.max_seq_len]):
+            raise RecipeError(f"gears={shown}: gear {over[0]} is outside 1..{self.max_seq_len} (max_seq_len, the "
+                              "cache capacity)")
+
+
+def _gears(key: str, value: Any, where: str) -> tuple[int, ...]:
+    """Gears from YAML (a list of integers) or --set / --gears (`16,32,64`); empty or `none`: no gears."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise RecipeError(f"{where}: {key}={value!r} must be a list of token counts (e.g. 16,32,64,128)")
+    out = []
+    for x in items:
+        text = x.strip() if isinstance(x, str) else x
+        if isinstance(text, bool) or not (isinstance(text, int) or (isinstance(text, str) and
+                                                                    text.lstrip("-").isdigit())):
+            raise RecipeError(f"{where}: {key}={value!r}: {x!r} is not an integer token count (e.g. 16,32,64,128)")
+        out.append(int(text))
+    return tuple(out)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
@@ -147,6 +205,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         return _pipeline(value, where)
     if key == "scale_range":
         return AUTO if value == AUTO else _float_pair(key, value, where)
+    if key == "gears":
+        return _gears(key, value, where)
     default = FIELDS[key].default
     if value == AUTO and key in ("max_seq_len", "prefill_chunk"):
         return AUTO

@@ -30,6 +30,23 @@ class IOSpec:
         return {k: v for k, v in d.items() if v is not None}
 
 
+def token_axes(role: str, shape: tuple[int, ...] | list[int], tokens: int) -> dict[int, int]:
+    """The axes of an input or output that grow with the call's token count T, each as axis → offset
+    (the axis holds T + offset): ids and positions [B, T], the mask [B, 1, T, P + T], the new K/V
+    [B, H, T, D], and logits when all T positions are returned. A graph exported for prefill gears
+    has these axes symbolic, ATC's --input_shape writes them as -1 and each --dynamic_dims gear lists
+    their values in input order (run.py's `shape_at` applies the same rule)."""
+    if role in (ROLE_IDS, ROLE_POSITIONS):
+        return {1: 0}
+    if role == ROLE_MASK:
+        return {2: 0, 3: int(shape[3]) - tokens}
+    if role in (ROLE_PRESENT_KEY, ROLE_PRESENT_VALUE):
+        return {2: 0}
+    if role == ROLE_LOGITS and tokens > 1 and int(shape[1]) == tokens:
+        return {1: 0}
+    return {}
+
+
 def graph_io(d: ModelDims, *, batch: int, t: int, capacity: int, dtype: str,
              logits_t: int) -> tuple[list[IOSpec], list[IOSpec]]:
     """Inputs and outputs of one call shape: T new tokens into a cache of capacity P (BNSD).

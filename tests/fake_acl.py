@@ -13,7 +13,8 @@ device, dynamic gears and teardown. It is not pyACL; it proves nothing about the
   "dynamic" | "all" (which inputs' shapes a gear lists), "drop_inputs": [names]}`.
 - `mdl.execute` reads the input buffers, runs the ONNX graph with onnxruntime and writes the
   outputs back. A gear t below the ONNX graph's static T is emulated by left-padding the call to T
-  (pad rows attend only to themselves) and keeping the last t positions of the outputs.
+  (pad rows attend only to themselves) and keeping the last t positions of the outputs; a graph
+  with a symbolic T (`convert --gears`) runs at t itself.
 - Return codes follow pyACL: 0, or `(value, ret)` pairs where pyACL returns them. Misuse (a copy
   out of bounds or with the wrong pointer kind, an unknown gear, a freed handle) returns
   ACL_ERROR_INVALID_PARAM; `leaks()` lists whatever was not released.
@@ -55,8 +56,15 @@ class FakeModel:
                        if i.name not in drop]
         self.outputs = [(o.name, list(o.shape), ORT_DTYPES[o.type]) for o in self.session.get_outputs()]
         shapes = {n: s for n, s, _ in self.inputs}
-        self.T, self.P = shapes["input_ids"][1], shapes["attention_mask"][3] - shapes["input_ids"][1]
         self.gears: list[int] = sorted(spec.get("gears") or [])
+        # A graph exported for gears (`convert --gears`) has a symbolic T: each gear runs as it is, the
+        # way ATC compiles each gear on its own. A static graph is left-padded to its T.
+        self.symbolic = not isinstance(shapes["input_ids"][1], int)
+        if self.symbolic:
+            past = next(s for n, s, _ in self.inputs if n.startswith("past_key"))
+            self.T, self.P = max(self.gears), past[2]
+        else:
+            self.T, self.P = shapes["input_ids"][1], shapes["attention_mask"][3] - shapes["input_ids"][1]
         listed = ("input_ids", "attention_mask", "position_ids") if spec.get("gear_format", "dynamic") == "dynamic" \
             else tuple(shapes)
         self.gear_dims = {t: [d for n, s, _ in self.inputs if n in listed for d in self.shape(n, s, t)]
@@ -314,7 +322,7 @@ class FakeAcl(types.ModuleType):
             if raw is None:
                 return ACL_ERROR_INVALID_PARAM
             feeds[name] = raw.view(dtype).reshape(s).copy()
-        if t < m.T:
+        if t < m.T and not m.symbolic:
             m.pad(feeds, t)
         results = m.session.run(None, feeds)
         for (name, shape, dtype), value, buf in zip(m.outputs, results, self.datasets[outputs], strict=True):

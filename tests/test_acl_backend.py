@@ -69,10 +69,17 @@ def test_without_pyacl_the_backend_fails_clearly(converted, cli, tmp_path: Path)
     ("tiny-qwen3", (), {"prefill": {"gears": [4, 16, 32], "gear_format": "all"}}),
     ("tiny-qwen3-fp8", (), {}),  # 28 scale inputs, uploaded once
     ("tiny-qwen3", ("target=ascend", "soc_version=Ascend910B3"), {}),  # what `convert --target ascend` writes
-], ids=["static", "gears", "gears-all-inputs", "fp8-scale-inputs", "ascend-target"])
+    # `convert --gears`: a symbolic-T prefill graph, "compiled" for the gears its --dynamic_dims lists
+    ("tiny-qwen3", ("target=ascend", "soc_version=Ascend910B3", "gears=8,16,32"), {"prefill": "dynamic_dims"}),
+], ids=["static", "gears", "gears-all-inputs", "fp8-scale-inputs", "ascend-target", "ascend-gears"])
 def test_fake_acl_generates_the_ort_tokens(converted, fake: FakeAcl, tmp_path: Path, model: str,
                                            extra: tuple[str, ...], om: dict) -> None:
     out = converted(model, "fp16" if extra else "fp32", *extra)
+    if om.get("prefill") == "dynamic_dims":  # each gear's first value is input_ids' T
+        cmd = json.loads((out / "ascend" / "atc_commands.json").read_text())["compile"][1]
+        listed = next(a for a in cmd if a.startswith("--dynamic_dims=")).split("=", 1)[1]
+        om = {"prefill": {"gears": [int(g.split(",")[0]) for g in listed.split(";")]}}
+        assert om["prefill"]["gears"] == [8, 16, 32]
     ort = Engine(out)
     chunk = ort.graphs["prefill"].tokens
     ids = ort.encode(PROMPT)[:2 * chunk + 5]  # 3 chunks; the first has 5 tokens: gear 8 or 16, not 32

@@ -68,3 +68,62 @@ def test_parse_rejects_malformed() -> None:
     with pytest.raises(AtcError, match="not name:d0"):
         parse_input_shape("input_ids")
     assert parse_input_shape("a:1,2;b:") == [("a", (1, 2)), ("b", ())]
+
+
+# -- prefill gears (`convert --gears`): -1 token axes and --dynamic_dims --------------------------------
+GEARS = ("target=ascend", "soc_version=Ascend910B3", "gears=8,16,32")  # conftest: P=256, prefill_chunk=32
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in cmd if a.startswith(f"--{name}=")), None)
+
+
+def test_gears_every_input_once_and_each_gear_fills_every_dynamic_dim(converted) -> None:
+    """Parsed back against the ONNX files themselves: every input once, symbolic axes as -1 and static ones
+    with their real size; each --dynamic_dims gear gives one value per -1, and those values are what the
+    graph's own dim expressions (`T`, `T+256`) evaluate to at that gear."""
+    out = converted("tiny-qwen3", "fp16", *GEARS)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["graphs"]["prefill"]["gears"] == [8, 16, 32] and manifest["graphs"]["prefill"]["tokens"] == 32
+    assert "gears" not in manifest["graphs"]["decode"]
+    commands = json.loads((out / "ascend" / "atc_commands.json").read_text())["compile"]
+    for cmd, (kind, spec) in zip(commands, manifest["graphs"].items(), strict=True):
+        model = onnx.load(out / spec["file"], load_external_data=False)
+        real = [(i.name, tuple(-1 if d.dim_param else d.dim_value for d in i.type.tensor_type.shape.dim))
+                for i in model.graph.input]
+        pairs = parse_input_shape(flag(cmd, "input_shape") or "")
+        assert pairs == real and len({n for n, _ in pairs}) == len(pairs), kind
+        gears = flag(cmd, "dynamic_dims")
+        if kind == "decode":
+            assert gears is None and all(-1 not in s for _, s in pairs)
+            continue
+        assert gears is not None and "--input_format=ND" in cmd
+        exprs = [d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param]
+        assert exprs == ["T", "T", "T+256", "T"]  # input_ids [1,T], attention_mask [1,1,T,T+P], position_ids [1,T]
+        listed = [[int(v) for v in g.split(",")] for g in gears.split(";")]
+        minus_ones = sum(d == -1 for _, s in pairs for d in s)
+        assert len(listed) == 3
+        for t, values in zip([8, 16, 32], listed, strict=True):
+            assert len(values) == minus_ones
+            assert values == [eval(e, {}, {"T": t}) for e in exprs]  # noqa: S307 (the graph's own "T+256")
+        # outputs: the new K/V follow T; logits (the last position only) stay static
+        outs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
+        assert outs["present_key.0"] == [1, 2, "T", 32] and outs["logits"][1] == 1
+
+
+def test_gears_command_from_roles() -> None:
+    """atc_command alone (the library call): the -1 axes follow the roles; gear counts ATC refuses are refused."""
+    graph = {"tokens": 4, "gears": [2, 4],
+             "inputs": [{"name": "input_ids", "role": "ids", "shape": [1, 4]},
+                        {"name": "attention_mask", "role": "mask", "shape": [1, 1, 4, 12]},
+                        {"name": "position_ids", "role": "positions", "shape": [1, 4]},
+                        {"name": "past_key.0", "role": "past_key", "shape": [1, 2, 8, 16]}],
+             "outputs": [{"name": "logits", "role": "logits", "shape": [1, 1, 10]}]}
+    cmd = atc_command("m.onnx", "m", graph, AtcOptions("Ascend910B3"))
+    assert flag(cmd, "input_shape") == "input_ids:1,-1;attention_mask:1,1,-1,-1;position_ids:1,-1;past_key.0:1,2,8,16"
+    assert flag(cmd, "dynamic_dims") == "2,2,10,2;4,4,12,4"
+    assert cmd.index("--input_format=ND") < cmd.index("--dynamic_dims=2,2,10,2;4,4,12,4")
+    assert parse_input_shape(flag(cmd, "input_shape") or "")[1] == ("attention_mask", (1, 1, -1, -1))
+    for gears, message in (([4], "2..100 gears"), ([2, 8], "gear 8 is outside 1..4")):
+        with pytest.raises(AtcError, match=message):
+            atc_command("m.onnx", "m", {**graph, "gears": gears}, AtcOptions("Ascend910B3"))

@@ -199,12 +199,17 @@ def load_scales(model_dir: Path, inputs: list[dict]) -> dict[str, np.ndarray]:
 
 
 class _Graph:
-    """One ONNX Runtime session with every input and output bound to a persistent numpy buffer."""
+    """One ONNX Runtime session with every input and output bound to a persistent numpy buffer.
+
+    A graph converted with prefill gears (manifest `gears`) has a symbolic token axis: it is bound once
+    per gear, its token-sized buffers viewed at that gear's shape over one allocation of the largest, so
+    a short chunk runs at the smallest gear that holds it, as on the NPU."""
 
     def __init__(self, path: Path, spec: dict, caches: dict[str, np.ndarray], options: ort.SessionOptions,
                  providers: Sequence[str]) -> None:
         self.tokens = int(spec["tokens"])
-        self.gears = (self.tokens,)  # static shapes: every call carries exactly `tokens`, left-padded
+        # Static shapes: every call carries exactly `tokens`, left-padded; with gears, the smallest that holds it.
+        self.gears = tuple(sorted(int(g) for g in spec.get("gears") or [self.tokens]))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         except Exception as e:
@@ -214,38 +219,49 @@ class _Graph:
                     "by itself: use `qwen2om run DIR` (it runs them on CPU through qwen2om's reference kernels), "
                     "or --backend acl on the Ascend host") from None
             raise
-        self.binding = self.session.io_binding()
-        self.buffers: dict[str, np.ndarray] = {}
         self._keep: list[ort.OrtValue] = []
-        for io in spec["inputs"]:
-            buf = caches[io["name"]] if io["name"] in caches else np.zeros(io["shape"], dtype=io["dtype"])
-            self._bind(io["name"], buf, self.binding.bind_ortvalue_input)
-        for io in spec["outputs"]:
-            self._bind(io["name"], np.zeros(io["shape"], dtype=io["dtype"]), self.binding.bind_ortvalue_output)
-        self.presents = [(self.buffers[io["name"]], caches[past]) for io, past in cache_targets(spec)]
-        self.states = {name: (self.buffers[io["name"]], caches[name]) for io, name in state_targets(spec)}
-
-    def _bind(self, name: str, buf: np.ndarray, bind: Callable[[str, ort.OrtValue], None]) -> None:
-        value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
-        self._keep.append(value)
-        self.buffers[name] = buf
-        bind(name, value)
+        # Every buffer but the caches is one allocation of the largest call, viewed at each gear's shape.
+        flat = {io["name"]: np.zeros(int(np.prod(io["shape"])), dtype=io["dtype"])
+                for io in spec["inputs"] + spec["outputs"] if io["name"] not in caches}
+        inputs = {io["name"] for io in spec["inputs"]}
+        self.views: dict[int, dict[str, np.ndarray]] = {}
+        self.bindings: dict[int, ort.IOBinding] = {}
+        for t in self.gears:
+            binding, views = self.session.io_binding(), {}
+            for io in spec["inputs"] + spec["outputs"]:
+                name, shape = io["name"], shape_at(io, t, self.tokens)
+                buf = caches[name] if name in caches else flat[name][:int(np.prod(shape))].reshape(shape)
+                value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
+                self._keep.append(value)
+                views[name] = buf
+                (binding.bind_ortvalue_input if name in inputs else binding.bind_ortvalue_output)(name, value)
+            self.views[t], self.bindings[t] = views, binding
+        self.buffers = self.views[self.gears[-1]]
+        self.presents = [(io["name"], caches[past]) for io, past in cache_targets(spec)]
+        self.states = {name: (io["name"], caches[name]) for io, name in state_targets(spec)}
+        self.t = self.gears[-1]
 
     def inputs(self, t: int) -> dict[str, np.ndarray]:
-        return self.buffers
+        return self.views[t]
 
     def run(self, t: int) -> np.ndarray:
-        self.session.run_with_iobinding(self.binding)
-        return self.buffers["logits"]
+        if t not in self.bindings:
+            raise RuntimeInputError(f"{t} tokens is not a gear of this graph ({', '.join(map(str, self.gears))})")
+        self.session.run_with_iobinding(self.bindings[t])
+        self.t = t
+        return self.views[t]["logits"]
 
     def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy each write's new K/V `(row, first real token, cache position, count)` into the caches."""
-        for new, cache in self.presents:
+        views = self.views[self.t]
+        for name, cache in self.presents:
+            new = views[name]
             for b, pad, start, n in writes:
                 cache[b, :, start:start + n, :] = new[b, :, pad:pad + n, :]
         # Linear-attention states: the whole updated state, only for rows that fed real tokens (a row
         # with nothing in this call ran on pads only, and its old state must stay).
-        for new, state in self.states.values():
+        for name, state in self.states.values():
+            new = views[name]
             for b, _, _, _ in writes:
                 state[b] = new[b]
 
