@@ -156,7 +156,7 @@ def fused_copy(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest)
     index = json.loads((dest / INDEX).read_text())
     cfg = json.loads((dest / "config.json").read_text())
-    n, layers = cfg["num_local_experts"], cfg["num_hidden_layers"]
+    n, layers = cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_hidden_layers"]
     for shard in sorted(set(index["weight_map"].values())):
         tensors = load_file(dest / shard)
         for layer in range(layers):
@@ -311,6 +311,45 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     assert len(scale_map) == 4 * 4 + 4 * 3 and len(stacked) == 4 * 3
     assert all(v["shape"][0] == 8 and v["scheme"] == "int4" for v in stacked)
     assert verify(out_in, ckpt_dir, tokens=8, prompts=[VARIED]).passed
+
+
+def stored(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v for shard in sorted(ckpt_dir.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-5-moe"])
+def test_fused_experts_are_calibrated_per_expert(cli, checkpoint, name: str, tmp_path: Path) -> None:
+    """Experts stored fused 3-D (the published Qwen3.5 MoE layout) are quantised expert by expert:
+    RTN writes exactly what it writes for the per-expert original (no fused float stack left), and
+    the default ORT recipe runs them int4 in QMoE, exact against the dequantised weights."""
+    src = fused_copy(checkpoint(name), tmp_path / "fused")
+    assert Checkpoint(src).fused_experts
+    rtn = ["--method", "rtn", "--group-size", "16"]  # 16: the shared expert of tiny-qwen3-5-moe is 48 wide
+    for ckpt, w4 in ((src, tmp_path / "w4-fused"), (f"builtin:{name}", tmp_path / "w4-per-expert")):
+        code, _, err = cli("calibrate", ckpt, "-o", w4, *rtn)
+        assert code == 0, err
+    fused, per_expert = stored(tmp_path / "w4-fused"), stored(tmp_path / "w4-per-expert")
+    assert sorted(fused) == sorted(per_expert) and all(torch.equal(fused[k], per_expert[k]) for k in fused)
+    ckpt = Checkpoint(tmp_path / "w4-fused")
+    assert not ckpt.fused_experts
+    assert len([n for n in ckpt.quantized if ".mlp.experts." in n]) == 4 * 8 * 3  # every expert of 4 layers
+    out = tmp_path / "out"
+    convert(tmp_path / "w4-fused", out, overrides=SMALL)
+    prefill = onnx.load(out / "model.prefill.onnx", load_external_data=False)
+    assert len([n for n in prefill.graph.node if n.op_type == "QMoE"]) == 4
+    report = verify(out, tmp_path / "w4-fused", tokens=16, prompts=[VARIED])
+    assert report.passed and report.max_abs <= 1e-4
+
+
+def test_fused_experts_gptq_equals_per_expert(cli, checkpoint, tmp_path: Path) -> None:
+    """GPTQ reads the fused stacks' experts from the layer it runs: same bytes as from the per-expert original."""
+    src = fused_copy(checkpoint("tiny-qwen3-moe"), tmp_path / "fused")
+    for ckpt, w4 in ((src, tmp_path / "w4-fused"), ("builtin:tiny-qwen3-moe", tmp_path / "w4-per-expert")):
+        code, _, err = cli("calibrate", ckpt, "-o", w4, *CAL)
+        assert code == 0, err
+    fused, per_expert = stored(tmp_path / "w4-fused"), stored(tmp_path / "w4-per-expert")
+    assert sorted(fused) == sorted(per_expert) and all(torch.equal(fused[k], per_expert[k]) for k in fused)
+    assert len([k for k in fused if k.endswith(".weight_packed") and ".experts." in k]) == 4 * 8 * 3
 
 
 def test_skewed_routing_falls_back_to_rtn(cli, tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ RTN needs no data and reads each weight once.
 What is quantised is architecture data (`ArchSpec.quant_targets`, never `keep_float`: norms,
 embeddings, RoPE, router gates), plus the LM head only with `quantize_lm_head`, minus a recipe's
 `ignore` regexes. The result is a compressed-tensors `pack-quantized` checkpoint (the format
-llm-compressor writes and transformers / vLLM read).
+llm-compressor writes and transformers / vLLM read). MoE experts stored fused 3-D are read and
+written expert by expert (qwen2om/quant/experts.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
-from qwen2om.quant.experts import EXPERT, ExpertStats, quantize_experts
+from qwen2om.quant.experts import EXPERT, ExpertStats, expand_names, quantize_experts, unfused_experts
 from qwen2om.quant.gptq import GPTQResult, gptq, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
@@ -159,9 +160,19 @@ class Calibrator:
         self.rtn_before: dict[str, float] = {}
         self.experts: dict[int, dict[str, Any]] = {}  # MoE layer → tokens per expert, RTN fallbacks
         self.layer_seconds: list[float] = []
+        self.slices = unfused_experts(ckpt)  # per-expert name → its slice of a fused expert stack
+        self.names = expand_names(ckpt.names(), self.slices)  # what the output checkpoint holds
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        s = self.slices.get(name)
+        return self.ckpt.get(name, dtype) if s is None else s.read(self.ckpt, dtype)
+
+    def dtype(self, name: str) -> torch.dtype:
+        s = self.slices.get(name)
+        return self.ckpt.info(name if s is None else s.source).dtype
 
     def targets(self) -> list[str]:
-        names = [n for n in self.ckpt.names()
+        names = [n for n in self.names
                  if quantizable(self.ckpt.arch, n, ignore=self.cfg.ignore, lm_head=self.cfg.quantize_lm_head)]
         if self.cfg.quantize_lm_head and LM_HEAD not in names:  # tied: the head is quantised from the embedding
             names.append(LM_HEAD)
@@ -170,12 +181,13 @@ class Calibrator:
     def ignored(self) -> list[str]:
         """Linear modules left float, for the config's `ignore` list."""
         arch = self.ckpt.arch
-        out = [n.removesuffix(".weight") for n in self.ckpt.names()
+        out = [n.removesuffix(".weight") for n in self.names
                if quantizable(arch, n) and not quantizable(arch, n, ignore=self.cfg.ignore)]
         return sorted(out) + ([] if self.cfg.quantize_lm_head else ["lm_head"])
 
     def check_groups(self, names: list[str]) -> None:
-        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else self.ckpt.shape(n)[1] for n in names}
+        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else
+                  (self.slices[n].shape(self.ckpt) if n in self.slices else self.ckpt.shape(n))[1] for n in names}
         for n, k in widths.items():
             if k % self.spec.group:
                 common = math.gcd(*widths.values())
@@ -201,8 +213,8 @@ class Calibrator:
     def quantize_rtn(self, name: str, note: str = "") -> torch.Tensor:
         """Round-to-nearest one weight (data-free); returns its dequantised value."""
         src = self.source(name)
-        dtype = self.ckpt.info(src).dtype
-        w = self.finite(src, self.ckpt.get(src, torch.float32))
+        dtype = self.dtype(src)
+        w = self.finite(src, self.read(src, torch.float32))
         _, scale, zp = rtn(w, self.spec, name)
         scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
         q = quantize(w, scale, zp, self.spec.group)
@@ -215,7 +227,7 @@ class Calibrator:
 
     def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
-        dtype = self.ckpt.info(self.source(name)).dtype
+        dtype = self.dtype(self.source(name))
         if self.cfg.method == "awq":
             q, scale, zp = clip_quantize(w, h, self.spec, scale_dtype=dtype)
             r = GPTQResult(q, scale, zp, "awq")
@@ -239,18 +251,18 @@ class Calibrator:
 
     def copy(self, names: list[str]) -> None:
         for n in names:
-            self.writer.add(n, self.ckpt.get(n))
+            self.writer.add(n, self.read(n))
 
     def run(self, samples: list[list[int]]) -> None:
         ckpt, d = self.ckpt, self.ckpt.dims
         targets = set(self.targets())
         self.check_groups(sorted(targets))
         per_layer: dict[int, list[str]] = {i: [] for i in range(d.layers)}
-        for n in ckpt.names():
+        for n in self.names:
             parts = n.split(".")
             if n.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < d.layers:
                 per_layer[int(parts[2])].append(n)
-        self.copy([n for n in ckpt.names() if not n.startswith("model.layers.") and n not in targets])
+        self.copy([n for n in self.names if not n.startswith("model.layers.") and n not in targets])
         if self.cfg.method == "rtn":
             for i in range(d.layers):
                 t0 = time.perf_counter()

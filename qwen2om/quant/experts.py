@@ -7,22 +7,78 @@ block's input the way the block itself does (softmax, top-k) and, per expert, ac
 than `min_tokens` calibration tokens — with skewed routers some receive none — are quantised by
 round-to-nearest instead, which needs no data; the report names each one with its token count.
 The router itself is never quantised (architecture data).
+
+Checkpoints that store the experts fused 3-D (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+[E, H, I]: the published Qwen3.5 MoE files, and what transformers 5 saves) are quantised expert by
+expert all the same: `unfused_experts` names each expert's projection as the per-expert layout does
+(`experts.E.gate_proj.weight`, [out, in]) and reads it as one slice of its stack, so the calibrated
+checkpoint holds per-expert compressed-tensors weights (as published int4 MoE checkpoints do) and no
+fused float stack.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 
 from qwen2om.static_model import SparseMoE
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 MIN_TOKENS = 16
 MIN_FRACTION = 0.005  # and at least this share of the layer's tokens (as GPTQModel)
+
+
+class Reader(Protocol):
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None,
+            ) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSlice:
+    """One expert's projection inside a fused stack: `gate_up_proj` [E, 2I, H] is gate ‖ up along
+    dim 1, `down_proj` [E, H, I]; the slice is [out, in], like the per-expert tensor."""
+
+    source: str  # the fused tensor
+    expert: int
+    part: str  # "gate", "up" or "down"
+
+    def shape(self, ckpt: Reader) -> tuple[int, ...]:
+        out, k = ckpt.shape(self.source)[1:]
+        return (out, k) if self.part == "down" else (out // 2, k)
+
+    def read(self, ckpt: Reader, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = ckpt.get(self.source, dtype, rows=(self.expert, self.expert + 1))[0]
+        if self.part == "down":
+            return t
+        half = t.shape[0] // 2
+        return (t[:half] if self.part == "gate" else t[half:]).clone()
+
+
+def unfused_experts(ckpt: Reader) -> dict[str, ExpertSlice]:
+    """Per-expert names (`...experts.E.{gate,up,down}_proj.weight`) of every fused expert stack in `ckpt`."""
+    out: dict[str, ExpertSlice] = {}
+    for name in ckpt.names():
+        if m := FUSED.match(name):
+            parts = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
+            for e in range(ckpt.shape(name)[0]):
+                out |= {f"{m.group(1)}.{e}.{part}_proj.weight": ExpertSlice(name, e, part) for part in parts}
+    return out
+
+
+def expand_names(names: Iterable[str], slices: dict[str, ExpertSlice]) -> list[str]:
+    """`names` with each fused stack replaced, in place, by the per-expert names of its slices."""
+    by_source: dict[str, list[str]] = {}
+    for n, s in slices.items():
+        by_source.setdefault(s.source, []).append(n)
+    return [x for n in names for x in by_source.get(n, [n])]
 
 
 class ExpertStats:
