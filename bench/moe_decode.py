@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""MoE decode benchmark: qwen2om (ONNX Runtime, fp32) against transformers on Qwen3-30B-A3B shapes.
+"""MoE decode benchmark: qwen2om (ONNX Runtime) against transformers on Qwen3-30B-A3B or Qwen3.5-35B-A3B shapes.
 
 What it does (artefacts cached under `--workdir`):
 
-1. a synthetic bf16 checkpoint of the `qwen3-30b-a3b` preset (`decode.ensure_checkpoint`: random
-   weights, published shapes: hidden 2048, 32 query / 4 K/V heads, 128 experts, top-8, expert
-   intermediate 768, vocabulary 151,936, untied LM head) with its layer count cut to `--layers`
-   (default 2: one fp32 copy of the 48-layer model is ~114 GiB; 2 layers are 7.0 GiB);
+1. a synthetic bf16 checkpoint of the `--preset` (`decode.ensure_checkpoint`: random weights, the
+   published shapes) with its layer count cut to `--layers`:
+   - `qwen3-30b-a3b` (default): hidden 2048, 32 query / 4 K/V heads, 128 experts, top-8, expert
+     intermediate 768, vocabulary 151,936, untied LM head; default 2 of 48 layers (one fp32 copy of
+     the 48-layer model is ~114 GiB; 2 layers are 7.0 GiB);
+   - `qwen3.5-35b-a3b` (qwen3_5_moe hybrid): hidden 2048, 3 Gated DeltaNet layers : 1 gated
+     full-attention layer (16 query / 2 K/V heads of 256), 256 experts, top-8, expert intermediate
+     512, a shared expert of 512, vocabulary 248,320, untied LM head; default 4 of 40 layers (one
+     3:1 block: 16.3 GiB in fp32);
 2. `qwen2om convert CKPT -o OUT --set max_seq_len=P --set prefill_chunk=T` in a child process:
    its wall time and peak RSS (`wait4`, that child only);
 3. each runtime timed in a fresh child process on the same prompt ids, greedy, EOS ignored, one
@@ -14,7 +19,8 @@ What it does (artefacts cached under `--workdir`):
    - qwen2om `Engine(out, threads=N).generate(...)`: prefill ms (time to first token) and decode
      tok/s = (N − 1) / decode wall time (`decode.bench_qwen2om`);
    - transformers `AutoModelForCausalLM` float32, `attn_implementation="eager"` and
-     `experts_implementation="eager"` (the per-expert loop of the modelling file): prefill ms =
+     `experts_implementation="eager"` (the per-expert loop of the modelling file; for the hybrid the
+     gated delta rule is whatever transformers resolves, the torch fallback without `fla`): prefill ms =
      `generate(max_new_tokens=1)`, decode tok/s = (N − 1) / (t_N − t_1); optionally also the
      library defaults (`--transformers eager,default`: sdpa attention, `grouped_mm` experts);
 4. the greedy tokens of every runtime compared with qwen2om's; the 1-minute load average at the
@@ -27,6 +33,8 @@ converted with the bundled recipe (attention linears MatMulNBits; each layer's e
 fp32 model is also converted without `fuse_moe` (`--no-portable` skips it): the standard-op form.
 
     .venv/bin/python bench/moe_decode.py --layers 2 --json .cache/bench/moe/result.json
+    .venv/bin/python bench/moe_decode.py --preset qwen3.5-35b-a3b --int4 --no-portable \
+        --workdir .cache/bench/hybrid --json .cache/bench/hybrid/result.json
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from typing import Any
 
 from decode import REPO, agreement, bench_qwen2om, ensure_checkpoint, gib, make_prompt, median_of, run_child
 
-PRESET = "qwen3-30b-a3b"
+# preset -> default layer count (what fits ~23 GiB next to transformers' fp32 copy)
+PRESETS = {"qwen3-30b-a3b": 2, "qwen3.5-35b-a3b": 4}
 FP32 = 4
 INT4_NOTE = "not timed (--int4 times it: RTN-calibrated, experts int4 in QMoE)"
 # transformers configurations by name: (attn_implementation, experts_implementation); None = library default
@@ -65,6 +74,17 @@ class Timing:
     note: str = ""
     error: str = ""
     tokens: list[int] = dataclasses.field(default_factory=list)
+    pss_bytes: int = 0  # at the end of the child: RSS counts a page mapped twice twice (ORT maps
+    anon_bytes: int = 0  # the data file per initializer and per session), PSS once; anonymous = not file
+
+
+def memory_now() -> tuple[int, int]:
+    """(Pss, Anonymous) bytes of this process from /proc/self/smaps_rollup; (0, 0) where there is none."""
+    try:
+        rows = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+    except OSError:
+        return 0, 0
+    return (int(rows["Pss"].split()[0]) * 1024, int(rows["Anonymous"].split()[0]) * 1024)
 
 
 # -- children ---------------------------------------------------------------------------------
@@ -117,7 +137,19 @@ def child_transformers(spec: dict[str, Any]) -> Timing:
     tps = (n - 1) / (tn - t1) if tn > t1 else None
     impl = (f"attention {model.config._attn_implementation}, experts "
             f"{model.config._experts_implementation}")
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        impl += f", gated delta rule {gated_delta_rule_impl()}"
     return Timing(f"transformers {spec['config']}", tps, t1 * 1000, load, note=impl, tokens=last)
+
+
+def gated_delta_rule_impl() -> str:
+    """What transformers' hybrid modelling files run for the gated delta rule: `fla`'s kernels when
+    that package imports (and causal-conv1d's for the convolution), else their pure-torch fallback."""
+    import importlib.util
+
+    fla = importlib.util.find_spec("fla") is not None
+    conv = importlib.util.find_spec("causal_conv1d") is not None
+    return ("fla" if fla else "torch fallback") + (", causal-conv1d" if conv else "")
 
 
 def child_main(spec_json: str) -> int:
@@ -125,6 +157,7 @@ def child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     try:
         t = child_qwen2om(spec) if spec["kind"] == "qwen2om" else child_transformers(spec)
+        t.pss_bytes, t.anon_bytes = memory_now()
     except Exception as exc:  # recorded in the table; the other runtimes still get measured
         t = Timing(spec["name"], error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(t)))
@@ -155,7 +188,9 @@ class MoeFacts:
     moe_intermediate: int
     layers: int
     vocab: int
-    attn_params: int  # q, k, v, o of one layer
+    mixer_params: int  # attention (q, k, v, o) or Gated DeltaNet projections, all layers
+    shared_params: int = 0  # shared expert (gate, up, down), all layers
+    linear_layers: int = 0  # Gated DeltaNet layers among `layers`
 
     @property
     def expert_bytes(self) -> int:  # gate + up + down of one expert
@@ -171,8 +206,10 @@ class MoeFacts:
 
     def decode_bytes(self) -> dict[str, int]:
         """Weights one decode step reads (not counted: K/V cache, norms, router, embedding row)."""
+        mixer = "attention + linear attention" if self.linear_layers else "attention"
+        shared = {"shared experts": self.shared_params * FP32} if self.shared_params else {}
         return {"routed experts": self.layers * self.top_k * self.expert_bytes,
-                "attention": self.layers * self.attn_params * FP32,
+                mixer: self.mixer_params * FP32, **shared,
                 "lm_head": self.vocab * self.hidden * FP32}
 
     def prefill_gflop(self, t: int) -> tuple[float, float]:
@@ -183,11 +220,26 @@ class MoeFacts:
 
 
 def moe_facts(ckpt: Path) -> MoeFacts:
+    """From config.json (the text model's, for the Qwen3.5 wrapper); hybrids count each layer's mixer
+    by its kind: gated attention's q_proj is twice as wide (query ‖ gate)."""
     c = json.loads((ckpt / "config.json").read_text())
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    c = c.get("text_config", c)
+    h, n = c["hidden_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return MoeFacts(c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"],
-                    c["num_hidden_layers"], c["vocab_size"], 2 * c["hidden_size"] * (q + kv))
+    full = h * q * (2 if c.get("attn_output_gate") else 1) + 2 * h * kv + q * h
+    kinds = c.get("layer_types") or ["full_attention"] * n
+    linear = kinds.count("linear_attention")
+    if linear:
+        k_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        v_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        # in_proj_qkv, in_proj_z, in_proj_a + in_proj_b, out_proj
+        per_linear = h * (2 * k_dim + v_dim) + h * v_dim + 2 * h * c["linear_num_value_heads"] + v_dim * h
+    else:
+        per_linear = 0
+    shared = 3 * h * c.get("shared_expert_intermediate_size", 0) * n
+    return MoeFacts(c["num_experts"], c["num_experts_per_tok"], h, c["moe_intermediate_size"], n, c["vocab_size"],
+                    (n - linear) * full + linear * per_linear, shared, linear)
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -231,7 +283,10 @@ def bundled_recipe(work: Path, name: str, edit: dict[str, str | None]) -> Path:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B shapes (48 published)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b",
+                    help="synthetic checkpoint shapes (qwen2om.fixtures.synthetic)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2 for qwen3-30b-a3b of "
+                    "48 published, 4 for qwen3.5-35b-a3b of 40: one 3 linear : 1 full attention block)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (128 = one prefill chunk)")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -250,6 +305,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.layers = a.layers or PRESETS[a.preset]
     if a.child is None:
         if a.new_tokens < 2:
             ap.error("--new-tokens must be at least 2 (decode speed is measured over N - 1 steps)")
@@ -267,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = a.threads or cores
     a.workdir.mkdir(parents=True, exist_ok=True)
-    ckpt, writer = ensure_checkpoint(a.workdir, PRESET, a.layers, a.seed)
+    ckpt, writer = ensure_checkpoint(a.workdir, a.preset, a.layers, a.seed)
     work = a.workdir / "moe"
     work.mkdir(exist_ok=True)
     out = work / f"onnx-{ckpt.name}-P{a.max_seq_len}-T{a.prefill_chunk}"
@@ -317,14 +373,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref = rows[0].tokens
 
     f = moe_facts(ckpt)
+    from qwen2om.fixtures.synthetic import resolve_preset
+
+    published = resolve_preset(a.preset).layers
+    kinds = json.loads((ckpt / "config.json").read_text())
+    kinds = kinds.get("text_config", kinds).get("layer_types")
     dense, routed = f.prefill_gflop(a.prefill_chunk)
     need = f.decode_bytes()
     import onnxruntime as ort
     import torch
     import transformers
 
-    print(f"\n## {PRESET} shapes, {f.layers} of 48 layers, prompt {a.prompt_tokens} tokens, {a.new_tokens} new "
-          f"tokens, P={a.max_seq_len}, T={a.prefill_chunk}, {threads} threads, median of {a.runs}\n")
+    pattern = f" ({', '.join(k.removesuffix('_attention') for k in kinds)})" if kinds else ""
+    print(f"\n## {a.preset} shapes, {f.layers} of {published} layers{pattern}, prompt {a.prompt_tokens} tokens, "
+          f"{a.new_tokens} new tokens, P={a.max_seq_len}, T={a.prefill_chunk}, {threads} threads, median of {a.runs}\n")
     print(table(rows, ref))
     print()
     facts = [
@@ -337,9 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"expert stacks per layer (fp32): gate_up [{f.experts}, {f.hidden}, {2 * f.moe_intermediate}] "
         f"{gib(f.gate_up_stack_bytes)} + down [{f.experts}, {f.moe_intermediate}, {f.hidden}] "
         f"{gib(f.down_stack_bytes)} = {gib(f.gate_up_stack_bytes + f.down_stack_bytes)}; one expert "
-        f"{f.expert_bytes / 2**20:.1f} MiB; 48 layers: {gib(48 * (f.gate_up_stack_bytes + f.down_stack_bytes))}",
+        f"{f.expert_bytes / 2**20:.1f} MiB; {published} layers: "
+        f"{gib(published * (f.gate_up_stack_bytes + f.down_stack_bytes))}",
         "weights one decode step reads (fp32): " + ", ".join(f"{k} {gib(v)}" for k, v in need.items())
-        + f" = {gib(sum(need.values()))} (K/V cache, router, norms not counted)",
+        + f" = {gib(sum(need.values()))} (K/V cache, recurrent states, router, norms not counted)",
         f"prefill, experts of one {a.prefill_chunk}-token chunk: dense formulation {dense:.1f} GFLOP vs routed "
         f"work {routed:.1f} GFLOP = E/k = {f.experts}/{f.top_k} = {dense / routed:.0f}x",
     ]
@@ -348,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             facts.append(f"greedy agreement qwen2om vs {r.name}: {agreement(ref, r.tokens)}, "
                          f"{sum(x == y for x, y in zip(ref, r.tokens, strict=False))}/{len(ref)} positions equal")
     facts += [
+        "memory at the end of each timing child (PSS, of which anonymous; peak RSS counts file pages "
+        "mapped twice twice): " + ", ".join(f"{r.name} {gib(r.pss_bytes)} ({gib(r.anon_bytes)})"
+                                            for r in rows if r.pss_bytes),
         "session / model load s: " + ", ".join(f"{r.name} {r.load_s:.1f}" for r in rows if r.load_s is not None),
         f"onnxruntime {ort.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{cores} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}; "
