@@ -7,6 +7,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     check_weights,
     compile_ascend,
     export_onnx,
+    fuse_attention,
     fuse_int4,
     fuse_moe,
     legalize_ort,

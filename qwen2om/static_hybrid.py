@@ -30,7 +30,7 @@ from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims, text_config
 from qwen2om.errors import CheckpointError
-from qwen2om.static_model import MLP, Embedding, Linear, SparseMoE, rotate_half
+from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, Rotary, SparseMoE
 from qwen2om.weights import Weights
 
 MAX_SUBCHUNK = 64  # tokens per block of the chunked delta rule (FLA and transformers use 64)
@@ -87,11 +87,8 @@ class GatedAttention(nn.Module):
             setattr(self, proj, Linear(w, f"{p}.{proj}"))
         self.q_norm = ZeroCentredRMSNorm(w, f"{p}.q_norm", d.rms_eps)
         self.k_norm = ZeroCentredRMSNorm(w, f"{p}.k_norm", d.rms_eps)
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.d.rotary_dim
-        rot = x[..., :r]
-        return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., r:]), dim=-1)
+        self.rotary = Rotary(d.rotary_dim or d.head_dim)
+        self.cache_attention = CacheAttention(d)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -102,17 +99,10 @@ class GatedAttention(nn.Module):
         # q_proj's rows are per head: the head's query (D), then its gate (D).
         qg = self.q_proj(x).view(b, t, d.heads, 2 * d.head_dim)
         q, gate = qg[..., :d.head_dim], qg[..., d.head_dim:].reshape(b, t, d.heads * d.head_dim)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, d.kv_heads, d.head_dim)).transpose(1, 2)
+        q, k = self.rotary(self.q_norm(q), self.k_norm(self.k_proj(x).view(b, t, d.kv_heads, d.head_dim)), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, d.kv_heads, d.head_dim).transpose(1, 2)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        q = q.reshape(b, d.kv_heads, d.groups * t, d.head_dim) * (d.head_dim ** -0.5)
-        p_len = past_k.shape[2]
-        scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)), torch.matmul(q, k.transpose(2, 3))), dim=-1)
-        scores = scores.view(b, d.kv_heads, d.groups, t, p_len + t).float() + mask.float().unsqueeze(1)
-        probs = torch.softmax(scores, dim=-1).to(x.dtype).view(b, d.kv_heads, d.groups * t, p_len + t)
-        out = torch.matmul(probs[..., :p_len], past_v) + torch.matmul(probs[..., p_len:], v)
-        out = out.view(b, d.heads, t, d.head_dim).transpose(1, 2).reshape(b, t, d.heads * d.head_dim)
+        out = self.cache_attention(q, k, v, mask, past_k, past_v)
         return self.o_proj(out * torch.sigmoid(gate)), k, v
 
 

@@ -6,7 +6,9 @@ compute dtype, position_ids int64 [B,T], and per layer past_key / past_value [B,
 
 Two choices keep decode fast on a runtime that cannot alias buffers:
 - attention scores against the cache and against the new tokens are computed separately and
-  only the small score rows are concatenated, so the [P]-long cache is never copied per step;
+  only the small score rows are concatenated, so the [P]-long cache is never copied per step
+  (CacheAttention; on ONNX Runtime `fuse_attention` swaps it for a kernel that reads only the
+  filled slots);
 - linear weights are stored transposed ([in, out]) so the graph has no Transpose of a weight
   at run time; with tied embeddings the single [hidden, vocab] table serves both the
   embedding Gather (along axis 1) and the LM head, so it is stored once.
@@ -56,6 +58,61 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Rotary(nn.Module):
+    """RoPE (rotate-half form) on the first `rotary_dim` channels of each head of q and k (no weights).
+
+    q [B, T, N, D] and k [B, T, Nkv, D]; cos, sin [B, 1, T, rotary_dim] gathered from the fp32
+    tables by position. One module (`self_attn.rotary`) so that a target with a RoPE kernel can swap
+    it: for ONNX Runtime, `fuse_attention` replaces it with two `com.microsoft.RotaryEmbedding`.
+    """
+
+    def __init__(self, rotary_dim: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, r]: broadcast over heads
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        rot = x[..., :r]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., r:]), dim=-1)
+
+
+class CacheAttention(nn.Module):
+    """Softmax attention of T new queries over the P cache slots and the T new keys (no weights).
+
+    q [B, N, T, D] and k, v [B, Nkv, T, D] after RoPE; mask [B, 1, T, P+T] additive; returns
+    [B, T, N·D]. One module (`self_attn.cache_attention`) so that a target with an attention kernel
+    can swap the whole of it: for ONNX Runtime, `fuse_attention` replaces it with
+    `com.microsoft.GroupQueryAttention`, which reads only the filled part of the cache.
+    """
+
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.d = d
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        b, _, t, _ = q.shape
+        # GQA without repeating K/V: query head h reads kv head h // groups, so fold the
+        # groups into the row axis: [B, Nkv, G*T, D].
+        q = q.reshape(b, d.kv_heads, d.groups * t, d.head_dim) * (d.head_dim ** -0.5)
+        p_len = past_k.shape[2]
+        # Scores against the cache and against the new keys separately: only the small score rows
+        # are concatenated, never the [P]-long cache.
+        scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)), torch.matmul(q, k.transpose(2, 3))), dim=-1)
+        scores = scores.view(b, d.kv_heads, d.groups, t, p_len + t).float() + mask.float().unsqueeze(1)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, d.kv_heads, d.groups * t, p_len + t)
+        out = torch.matmul(probs[..., :p_len], past_v) + torch.matmul(probs[..., p_len:], v)
+        return out.view(b, d.heads, t, d.head_dim).transpose(1, 2).reshape(b, t, d.heads * d.head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, p: str) -> None:
         super().__init__()
@@ -65,6 +122,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(w, f"{p}.o_proj")
         self.q_norm = RMSNorm(w, f"{p}.q_norm", d.rms_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(w, f"{p}.k_norm", d.rms_eps) if arch.qk_norm else None
+        self.rotary = Rotary(d.head_dim)
+        self.cache_attention = CacheAttention(d)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -77,19 +136,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, d.kv_heads, d.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, N, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # GQA without repeating K/V: query head h reads kv head h // groups, so fold the
-        # groups into the row axis: [B, Nkv, G*T, D].
-        q = q.reshape(b, d.kv_heads, d.groups * t, d.head_dim) * (d.head_dim ** -0.5)
-        p_len = past_k.shape[2]
-        scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)), torch.matmul(q, k.transpose(2, 3))), dim=-1)
-        scores = scores.view(b, d.kv_heads, d.groups, t, p_len + t).float() + mask.float().unsqueeze(1)
-        probs = torch.softmax(scores, dim=-1).to(x.dtype).view(b, d.kv_heads, d.groups * t, p_len + t)
-        out = torch.matmul(probs[..., :p_len], past_v) + torch.matmul(probs[..., p_len:], v)
-        out = out.view(b, d.heads, t, d.head_dim).transpose(1, 2).reshape(b, t, d.heads * d.head_dim)
-        return self.o_proj(out), k, v
+        return self.o_proj(self.cache_attention(q, k, v, mask, past_k, past_v)), k, v
 
 
 class MLP(nn.Module):

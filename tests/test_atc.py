@@ -53,7 +53,8 @@ def test_every_graph_input_once_with_its_real_shape(tmp_path, kind: str) -> None
     assert dict(pairs) == real
     assert sum(n.endswith(".weight.scale") for n in names) == 28
     keep = keep_dtype_nodes(n.name for n in model.graph.node)
-    assert keep and all("norm" in n.lower() or "softmax" in n.lower() for n in keep)
+    assert keep and all(any(k in n.lower() for k in ("norm", "softmax", "rotary")) for n in keep)
+    assert any("/rotary/" in n for n in keep)  # RoPE stays fp32 under mixed precision too
 
 
 @pytest.mark.parametrize("opts,needle", [(AtcOptions("Ascend999"), "Ascend999"),

@@ -64,11 +64,11 @@ class Router:
         raise AssertionError(f"no prompt under {budget} tokens reaches every expert: {self.coverage(text)}")
 
 
-def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None]) -> str:
-    """A bundled recipe with pipeline lines replaced (by pass name) or dropped (None)."""
+def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None], base: str = "qwen3-fp32") -> str:
+    """The bundled recipe `base` with pipeline lines replaced (by pass name) or dropped (None)."""
     import importlib.resources
 
-    text = (importlib.resources.files("qwen2om.recipes") / "qwen3-fp32.yaml").read_text()
+    text = (importlib.resources.files("qwen2om.recipes") / f"{base}.yaml").read_text()
     lines = []
     for line in text.splitlines():
         step = line.strip().removeprefix("- ").split(":")[0].split()[0] if line.strip().startswith("- ") else None
@@ -85,7 +85,7 @@ def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None]) -> str:
 @pytest.fixture(scope="module")
 def moe_out(tmp_path_factory) -> dict[str, Path]:
     """tiny qwen3/qwen2 MoE as the ORT recipes build them (experts → com.microsoft::MoE), and
-    tiny qwen3 MoE in the portable standard-op form (the recipe without `fuse_moe`)."""
+    tiny qwen3 MoE in the portable standard-op form (the recipe without `fuse_moe` and `fuse_attention`)."""
     outs = {}
     for name in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
         outs[name] = tmp_path_factory.mktemp("moe") / name
@@ -93,7 +93,7 @@ def moe_out(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("portable")
     outs["portable"] = tmp / "out"
     convert("builtin:tiny-qwen3-moe", outs["portable"], overrides=SMALL,
-            recipe=recipe_with(tmp, "portable", {"fuse_moe": None}))
+            recipe=recipe_with(tmp, "portable", {"fuse_moe": None, "fuse_attention": None}))
     return outs
 
 

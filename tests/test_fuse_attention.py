@@ -1,0 +1,113 @@
+"""fuse_attention: each layer's cache attention becomes one com.microsoft::GroupQueryAttention that
+reads only the filled cache slots, its RoPE two com.microsoft::RotaryEmbedding, and the graph
+computes exactly what the portable form computes (the bundled ORT recipes fuse; end-to-end parity
+with transformers is test_parity's, and the hybrids' test_hybrid's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import SMALL
+from test_moe import recipe_with
+
+from qwen2om.convert import convert
+
+CASES = [("tiny-qwen3", 1), ("tiny-qwen3", 2), ("tiny-qwen2", 1)]
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, bool], Path]:
+    """Each (model, batch) with the bundled recipe (fused) and without the pass (portable)."""
+    found = {}
+    for name, batch in CASES:
+        tmp = tmp_path_factory.mktemp(f"{name}-b{batch}")
+        overrides = [*SMALL, f"batch_size={batch}"]
+        found[name, batch, True] = tmp / "fused"
+        convert(f"builtin:{name}", found[name, batch, True], overrides=overrides)
+        found[name, batch, False] = tmp / "portable"
+        family = name.removeprefix("tiny-")
+        convert(f"builtin:{name}", found[name, batch, False], overrides=overrides,
+                recipe=recipe_with(tmp, "portable", {"fuse_attention": None}, base=f"{family}-fp32"))
+    return found
+
+
+def graph(out: Path, kind: str) -> onnx.GraphProto:
+    return onnx.load(out / f"model.{kind}.onnx", load_external_data=False).graph
+
+
+@pytest.mark.parametrize(("name", "batch"), CASES)
+def test_one_kernel_per_layer_and_no_attention_matmuls_left(outs, name: str, batch: int) -> None:
+    for kind in ("decode", "prefill"):
+        g = graph(outs[name, batch, True], kind)
+        layers = sum(i.name.startswith("past_key.") for i in g.input)
+        rotary = [n for n in g.node if "/self_attn/rotary/" in n.name]
+        assert sum(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in rotary) == 2 * layers
+        assert {n.op_type for n in rotary} == {"RotaryEmbedding", "Reshape"}, kind
+        scoped = [n for n in g.node if "/self_attn/cache_attention/" in n.name]
+        kernels = sum(n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft" for n in scoped)
+        if kind == "prefill" and batch > 1:
+            # ONNX Runtime's kernel takes a multi-token chunk with a cache only at batch 1.
+            assert kernels == 0 and any(n.op_type == "Softmax" for n in scoped)
+            continue
+        assert kernels == layers, kind
+        # What is left in the scope is the kernel and its operand layouts: no score MatMul, no Softmax.
+        assert {n.op_type for n in scoped} <= {"GroupQueryAttention", "Transpose", "Reshape", "Slice"}, kind
+        portable = graph(outs[name, batch, False], kind)
+        assert not any(n.op_type == "GroupQueryAttention" for n in portable.node)
+        assert any(n.op_type == "Softmax" and "/cache_attention/" in n.name for n in portable.node)
+
+
+def hard_feeds(session: ort.InferenceSession, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random ids and caches (garbage in every slot, so a slot read that the mask excludes shows),
+    and masks the kernel must honour exactly: rows of different lengths, a hole in the cache, an
+    empty cache, left padding in the chunk, and a free cache slot after the last filled one."""
+    feeds: dict[str, np.ndarray] = {}
+    for i in session.get_inputs():
+        shape = i.shape
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(0, 1000, size=shape, dtype=np.int64)
+        elif i.name.startswith("past_"):
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32) * 3
+    b, _, t, pt = next(i.shape for i in session.get_inputs() if i.name == "attention_mask")
+    p = pt - t
+    low = np.finfo(np.float32).min
+    mask = np.full((b, 1, t, pt), low, dtype=np.float32)
+    positions = np.zeros((b, t), dtype=np.int64)
+    # row: (cached length, holes in the cache, left pads in the chunk)
+    rows = ([(7, [2, 6], min(3, t - 1)), (0, [], 0)] if t > 1 else [(7, [2, 6], 0), (19, [0], 0)])[:b]
+    for r, (length, holes, pad) in enumerate(rows):
+        n = t - pad
+        mask[r, 0, pad:, :length] = 0
+        mask[r, 0, :, holes] = low
+        mask[r, 0, pad:, p + pad:][np.tril(np.ones((n, n), dtype=bool))] = 0
+        for i in range(pad):
+            mask[r, 0, i, p + i] = 0
+        positions[r, pad:] = np.arange(length, length + n)
+    assert p > 19 + t  # slots past every row's length stay free (and masked)
+    feeds["attention_mask"], feeds["position_ids"] = mask, positions
+    return feeds
+
+
+@pytest.mark.parametrize(("name", "batch"), CASES)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_fused_graph_computes_what_the_portable_graph_computes(outs, name: str, batch: int, kind: str) -> None:
+    sessions = [ort.InferenceSession(str(outs[name, batch, fused] / f"model.{kind}.onnx"),
+                                     providers=["CPUExecutionProvider"]) for fused in (True, False)]
+    feeds = hard_feeds(sessions[1], np.random.default_rng(0))
+    got, want = (dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds), strict=True)) for s in sessions)
+    assert got.keys() == want.keys()
+    assert np.isfinite(got["logits"]).all()
+    for key in want:
+        assert np.abs(got[key] - want[key]).max() <= 2e-5, key
+
+
+def test_manifest_reports_the_fused_layers(outs) -> None:
+    manifest = json.loads((outs["tiny-qwen3", 1, True] / "manifest.json").read_text())
+    stats = next(s for s in manifest["stages"] if s["pass"] == "fuse_attention")["stats"]
+    layers = manifest["dims"]["layers"]
+    assert stats == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers}
