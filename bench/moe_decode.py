@@ -74,8 +74,10 @@ class Timing:
     note: str = ""
     error: str = ""
     tokens: list[int] = dataclasses.field(default_factory=list)
-    pss_bytes: int = 0  # at the end of the child: RSS counts a page mapped twice twice (ORT maps
-    anon_bytes: int = 0  # the data file per initializer and per session), PSS once; anonymous = not file
+    # Memory in use after a generation, model still loaded: RSS counts a page mapped twice twice (ORT
+    # maps the data file per initializer and per session), PSS once; anonymous = not file-backed.
+    pss_bytes: int = 0
+    anon_bytes: int = 0
 
 
 def memory_now() -> tuple[int, int]:
@@ -90,12 +92,15 @@ def memory_now() -> tuple[int, int]:
 # -- children ---------------------------------------------------------------------------------
 def child_qwen2om(spec: dict[str, Any]) -> Timing:
     t0 = time.perf_counter()
-    from qwen2om.runtime.standalone import Engine
+    from qwen2om.runtime.standalone import Engine, Sampling
 
     Engine(Path(spec["out"]), threads=spec["threads"])  # session load alone, timed once
     load = time.perf_counter() - t0
     row, _ = bench_qwen2om(Path(spec["out"]), spec["ids"], spec["new_tokens"], spec["threads"], spec["runs"])
-    return Timing(spec["name"], row.decode_tps, row.ttft_ms, load, tokens=row.tokens)
+    engine = Engine(Path(spec["out"]), threads=spec["threads"])  # once more, untimed: its memory after a generation
+    engine.generate(spec["ids"], max_new_tokens=spec["new_tokens"], sampling=Sampling(0.0), ignore_eos=True)
+    pss, anon = memory_now()
+    return Timing(spec["name"], row.decode_tps, row.ttft_ms, load, tokens=row.tokens, pss_bytes=pss, anon_bytes=anon)
 
 
 def child_transformers(spec: dict[str, Any]) -> Timing:
@@ -139,7 +144,9 @@ def child_transformers(spec: dict[str, Any]) -> Timing:
             f"{model.config._experts_implementation}")
     if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
         impl += f", gated delta rule {gated_delta_rule_impl()}"
-    return Timing(f"transformers {spec['config']}", tps, t1 * 1000, load, note=impl, tokens=last)
+    pss, anon = memory_now()
+    return Timing(f"transformers {spec['config']}", tps, t1 * 1000, load, note=impl, tokens=last, pss_bytes=pss,
+                  anon_bytes=anon)
 
 
 def gated_delta_rule_impl() -> str:
@@ -157,7 +164,6 @@ def child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     try:
         t = child_qwen2om(spec) if spec["kind"] == "qwen2om" else child_transformers(spec)
-        t.pss_bytes, t.anon_bytes = memory_now()
     except Exception as exc:  # recorded in the table; the other runtimes still get measured
         t = Timing(spec["name"], error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     Path(spec["result"]).write_text(json.dumps(dataclasses.asdict(t)))
@@ -411,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             facts.append(f"greedy agreement qwen2om vs {r.name}: {agreement(ref, r.tokens)}, "
                          f"{sum(x == y for x, y in zip(ref, r.tokens, strict=False))}/{len(ref)} positions equal")
     facts += [
-        "memory at the end of each timing child (PSS, of which anonymous; peak RSS counts file pages "
+        "memory after a generation, model loaded (PSS, of which anonymous; peak RSS counts file pages "
         "mapped twice twice): " + ", ".join(f"{r.name} {gib(r.pss_bytes)} ({gib(r.anon_bytes)})"
                                             for r in rows if r.pss_bytes),
         "session / model load s: " + ", ".join(f"{r.name} {r.load_s:.1f}" for r in rows if r.load_s is not None),
