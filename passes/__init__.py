@@ -10,6 +10,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     fuse_attention,
     fuse_int4,
     fuse_moe,
+    fuse_norm,
     legalize_ort,
     load_checkpoint,
     lower_fp8,

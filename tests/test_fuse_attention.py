@@ -1,6 +1,7 @@
-"""fuse_attention: each layer's cache attention becomes one com.microsoft::GroupQueryAttention that
-reads only the filled cache slots, its RoPE two com.microsoft::RotaryEmbedding, and the graph
-computes exactly what the portable form computes (the bundled ORT recipes fuse; end-to-end parity
+"""fuse_attention and fuse_norm: each layer's cache attention becomes one
+com.microsoft::GroupQueryAttention that reads only the filled cache slots, its RoPE two
+com.microsoft::RotaryEmbedding, each residual Add + RMSNorm one SkipSimplifiedLayerNormalization,
+and the graph computes exactly what the portable form computes (the bundled ORT recipes fuse; end-to-end parity
 with transformers is test_parity's, and the hybrids' test_hybrid's)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ CASES = [("tiny-qwen3", 1), ("tiny-qwen3", 2), ("tiny-qwen2", 1)]
 
 @pytest.fixture(scope="module")
 def outs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, bool], Path]:
-    """Each (model, batch) with the bundled recipe (fused) and without the pass (portable)."""
+    """Each (model, batch) with the bundled recipe (fused) and without `fuse_attention` and `fuse_norm` (portable)."""
     found = {}
     for name, batch in CASES:
         tmp = tmp_path_factory.mktemp(f"{name}-b{batch}")
@@ -32,7 +33,7 @@ def outs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, bool]
         found[name, batch, False] = tmp / "portable"
         family = name.removeprefix("tiny-")
         convert(f"builtin:{name}", found[name, batch, False], overrides=overrides,
-                recipe=recipe_with(tmp, "portable", {"fuse_attention": None}, base=f"{family}-fp32"))
+                recipe=recipe_with(tmp, "portable", {"fuse_attention": None, "fuse_norm": None}, base=f"{family}-fp32"))
     return found
 
 
@@ -57,6 +58,10 @@ def test_one_kernel_per_layer_and_no_attention_matmuls_left(outs, name: str, bat
         assert kernels == layers, kind
         # What is left in the scope is the kernel and its operand layouts: no score MatMul, no Softmax.
         assert {n.op_type for n in scoped} <= {"GroupQueryAttention", "Transpose", "Reshape", "Slice"}, kind
+        # Every residual Add + RMSNorm pair: post-attention norms, input norms after layer 0, and the
+        # final norm unless the prefill graph slices the last position between them.
+        skip = sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in g.node)
+        assert skip == 2 * layers - (kind == "prefill"), kind
         portable = graph(outs[name, batch, False], kind)
         assert not any(n.op_type == "GroupQueryAttention" for n in portable.node)
         assert any(n.op_type == "Softmax" and "/cache_attention/" in n.name for n in portable.node)
