@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -124,22 +125,40 @@ def child_transformers(spec: dict[str, Any]) -> Timing:
     input_ids = torch.tensor([ids], dtype=torch.long)
     mask = torch.ones_like(input_ids)
     last: list[int] = []
+    rates: list[float] = []
+
+    class Stamps(transformers.generation.streamers.BaseStreamer):  # type: ignore[misc]
+        """generate() hands the streamer the prompt, then each new token as it is chosen."""
+
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
 
     def timed(k: int) -> float:
         nonlocal last
+        stamps = Stamps()
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=k,
-                                 min_new_tokens=k)
+                                 min_new_tokens=k, streamer=stamps)
         dt = time.perf_counter() - t
         if out.shape[1] != len(ids) + k:
             raise SystemExit(f"transformers generated {out.shape[1] - len(ids)} tokens, expected {k}")
         last = out[0, len(ids):].tolist()
+        if k > 1:  # first new token to last: the k - 1 decode steps of this very run
+            rates.append((k - 1) / (stamps.t[-1] - stamps.t[1]))
         return dt
 
     t1 = median_of(spec["runs"], lambda: timed(1))
-    tn = median_of(spec["runs"], lambda: timed(n))
-    tps = (n - 1) / (tn - t1) if tn > t1 else None
+    median_of(spec["runs"], lambda: timed(n))  # fills `rates`
+    # Decode steps timed inside each run (as qwen2om's), not (N-1)/(t_N - t_1) of two medians: with a
+    # prefill that varies by seconds on a busy machine, that difference swung 1.3-9 tok/s here.
+    tps = statistics.median(rates[-spec["runs"]:])
     impl = (f"attention {model.config._attn_implementation}, experts "
             f"{model.config._experts_implementation}")
     if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
