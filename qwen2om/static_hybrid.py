@@ -30,7 +30,7 @@ from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims, text_config
 from qwen2om.errors import CheckpointError
-from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, Rotary, SparseMoE
+from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, Rotary, SparseMoE, StaticLM
 from qwen2om.weights import Weights
 
 MAX_SUBCHUNK = 64  # tokens per block of the chunked delta rule (FLA and transformers use 64)
@@ -283,25 +283,15 @@ class HybridBody(nn.Module):
         self.norm = ZeroCentredRMSNorm(w, "model.norm", d.rms_eps)
 
 
-class StaticHybrid(nn.Module):
+class StaticHybrid(StaticLM):
     """Qwen3.5 / Qwen3-Next with the static signature; `past` per layer is (past_key, past_value)
     for full attention and (conv_state, recurrent_state) for linear attention, in layer order, and
     the outputs after the logits follow the same order with the new values."""
 
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
                  *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
-        super().__init__()
-        self.d, self.logits_last = d, logits_last
-        self.model = HybridBody(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
-        self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
-        self.register_buffer("rope_cos", w.constant("rope_cos", cos), persistent=True)
-        self.register_buffer("rope_sin", w.constant("rope_sin", sin), persistent=True)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        b, t = ids.shape
-        if self.model.embed_tokens is not None:
-            return self.model.embed_tokens.weight[ids]
-        return self.lm_head.weight.index_select(1, ids.reshape(-1)).T.reshape(b, t, self.d.hidden)
+        body = HybridBody(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
+        super().__init__(d, w, cos, sin, body, logits_last=logits_last)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -309,8 +299,7 @@ class StaticHybrid(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         x = self.embed(input_ids)
         t = x.shape[1]
-        cos = nn.functional.embedding(position_ids, self.rope_cos).to(x.dtype).unsqueeze(1)  # [B, 1, T, rot]
-        sin = nn.functional.embedding(position_ids, self.rope_sin).to(x.dtype).unsqueeze(1)
+        cos, sin = self.rope(position_ids, x.dtype)  # [B, 1, T, rotary dim]
         # The last row is always a real token; the rows it cannot see among the new ones are pads.
         p_len = attention_mask.shape[-1] - t
         valid = (attention_mask[:, 0, -1, p_len:].float() > -1.0).to(torch.float32) if t > 1 else None
@@ -318,10 +307,7 @@ class StaticHybrid(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, o0, o1 = layer(x, cos, sin, attention_mask, valid, past[2 * i], past[2 * i + 1])
             new += [o0, o1]
-        if self.logits_last:
-            x = x[:, -1:, :]
-        logits = self.lm_head(self.model.norm(x)).float()
-        return (logits, *new)
+        return (self.logits(x), *new)
 
 
 def state_shapes(d: ModelDims, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -265,19 +265,18 @@ class Body(nn.Module):
         self.norm = RMSNorm(w, "model.norm", d.rms_eps)
 
 
-class StaticQwen(nn.Module):
-    """Qwen2/Qwen3 (dense or MoE) with the static forward signature; weights in the compute dtype."""
+class StaticLM(nn.Module):
+    """What every static Qwen shares around its decoder layers (`model`, a Body): the embedding (tied
+    or not), the final norm and LM head, and the RoPE tables, which stay float32 constants whatever
+    the compute dtype (see rope.py)."""
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
-                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
-        """`layers` < d.layers builds only the first ones: the template export_onnx replicates.
-        `fused_experts`: the checkpoint holds MoE experts 3-D (see arch.expert_tensors)."""
+    def __init__(self, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor, body: nn.Module,
+                 *, logits_last: bool) -> None:
         super().__init__()
         self.d, self.logits_last = d, logits_last
-        self.model = Body(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
+        self.model = body
         # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head.
         self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
-        # RoPE tables stay float32 constants whatever the compute dtype (see rope.py).
         self.register_buffer("rope_cos", w.constant("rope_cos", cos), persistent=True)
         self.register_buffer("rope_sin", w.constant("rope_sin", sin), persistent=True)
 
@@ -287,18 +286,36 @@ class StaticQwen(nn.Module):
             return self.model.embed_tokens.weight[ids]
         return self.lm_head.weight.index_select(1, ids.reshape(-1)).T.reshape(b, t, self.d.hidden)
 
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of the positions: [B, 1, T, rotary dim], gathered in fp32, then in `dtype`."""
+        cos = nn.functional.embedding(position_ids, self.rope_cos).to(dtype).unsqueeze(1)
+        sin = nn.functional.embedding(position_ids, self.rope_sin).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.logits_last:
+            x = x[:, -1:, :]
+        return self.lm_head(self.model.norm(x)).float()
+
+
+class StaticQwen(StaticLM):
+    """Qwen2/Qwen3 (dense or MoE) with the static forward signature; weights in the compute dtype."""
+
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
+                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
+        """`layers` < d.layers builds only the first ones: the template export_onnx replicates.
+        `fused_experts`: the checkpoint holds MoE experts 3-D (see arch.expert_tensors)."""
+        body = Body(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
+        super().__init__(d, w, cos, sin, body, logits_last=logits_last)
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
         past: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, ...]:
         x = self.embed(input_ids)
-        cos = nn.functional.embedding(position_ids, self.rope_cos).to(x.dtype).unsqueeze(1)  # [B, 1, T, D]
-        sin = nn.functional.embedding(position_ids, self.rope_sin).to(x.dtype).unsqueeze(1)
+        cos, sin = self.rope(position_ids, x.dtype)
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
             new_kv += [k, v]
-        if self.logits_last:
-            x = x[:, -1:, :]
-        logits = self.lm_head(self.model.norm(x)).float()
-        return (logits, *new_kv)
+        return (self.logits(x), *new_kv)
