@@ -87,9 +87,10 @@ def test_hybrid_layers_clone_by_kind(tmp_path, monkeypatch) -> None:
     ws_full, stats_full = build("tiny-qwen3-next-8", tmp_path, False)
     assert stats_rep["prefill_layers_traced"] == 4 and stats_full["prefill_layers_traced"] == 8
     for kind in ("decode", "prefill"):
-        # A full trace may share a mask-only value between the two full-attention layers (the
-        # exporter's CSE); the clone of layer 3 recomputes it: at most one node more, same numbers.
-        assert 0 <= stats_rep[f"{kind}_nodes"] - stats_full[f"{kind}_nodes"] <= 1
+        # A full trace may share values computed from the inputs alone between the two full-attention
+        # layers (the exporter's CSE): the mask's reshape and the RoPE cos/sin reshapes of the
+        # `rotary` module; the clone of layer 3 recomputes them: at most three nodes more, same numbers.
+        assert 0 <= stats_rep[f"{kind}_nodes"] - stats_full[f"{kind}_nodes"] <= 3
         a, b = session(ws_rep["onnx_files"][kind]), session(ws_full["onnx_files"][kind])
         assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
         assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
