@@ -52,6 +52,31 @@ def test_chunked_prefill_equals_token_by_token(engine: Engine) -> None:
     assert np.abs(chunked - stepwise).max() < 1e-4
 
 
+def test_short_prompts_go_through_the_decode_graph(engine: Engine, monkeypatch) -> None:
+    """A prompt of at most chunk // SHORT_PROMPT tokens is fed token by token through the decode
+    graph (a whole prefill chunk would cost more), with the logits the prefill graph gives."""
+    from qwen2om.runtime import standalone
+
+    short = max(engine.graphs["prefill"].gears) // standalone.SHORT_PROMPT
+    ids = engine.encode("A prompt long enough to cut")[:short]
+    assert 1 < len(ids) == short
+    calls: list[str] = []
+    original = engine._call
+    monkeypatch.setattr(engine, "_call", lambda kind, rows: calls.append(kind) or original(kind, rows))
+    engine.reset()
+    via_decode = engine.prefill([ids])[0].copy()
+    assert calls == ["decode"] * short
+    monkeypatch.setattr(standalone, "SHORT_PROMPT", 10**6)  # no prompt is short: the prefill graph runs
+    calls.clear()
+    engine.reset()
+    via_prefill = engine.prefill([ids])[0]
+    assert calls == ["prefill"]
+    assert np.abs(via_decode - via_prefill).max() < 1e-4
+    engine.reset()
+    engine.prefill([ids + ids[:1]])  # one token more than `short`: a prefill call again
+    assert calls[-1] == "prefill"
+
+
 def test_sampling_is_seeded(engine: Engine) -> None:
     ids = engine.encode("Sampling test")
     run = lambda s: engine.generate(ids, max_new_tokens=12, sampling=s)[0]  # noqa: E731
