@@ -26,7 +26,7 @@ weights in memory, the speed of a float model); with scales as inputs it cannot.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,6 +43,20 @@ WEIGHT_SUFFIX = ".weight_fp8"
 SCALE_SUFFIX = ".weight_fp8_scale"  # scale_inputs finds FP8 scales by this suffix
 FP8_OPSET, FP8_IR = 19, 9
 STACK = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)$")  # SparseMoE's expert stacks
+
+
+def expert_stacks(graph: ir.Graph, ckpt: Any) -> Iterator[tuple[ir.Value, str, str, dict[str, list[Any]]]]:
+    """Each MoE layer's float expert stack still in use (`gate_up` or `down`), with its layer prefix,
+    which stack it is, and the checkpoint's quantised weight of each of its projections per expert
+    (None where an expert's weight is not quantised); a snapshot, so the caller may rewrite as it goes."""
+    for init in list(graph.initializers.values()):
+        m = STACK.match(init.name or "")
+        if m is None or not init.uses():
+            continue
+        p, which = m.group(1), m.group(2)
+        projs = ("gate", "up") if which == "gate_up" else ("down",)
+        yield init, p, which, {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight")
+                                      for e in range(ckpt.dims.experts)] for proj in projs}
 
 
 def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
@@ -184,14 +198,8 @@ class LowerFp8:
         Decode's GatherND of the k routed experts moves before the dequantisation, so a step
         dequantises k experts, not E; prefill's MatMul dequantises the whole stack."""
         done = 0
-        for init in list(graph.initializers.values()):
-            m = STACK.match(init.name or "")
-            if m is None or not init.uses():
-                continue
-            p, which = m.group(1), m.group(2)
-            projs = ("gate", "up") if which == "gate_up" else ("down",)
-            qs = {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight") for e in range(ckpt.dims.experts)]
-                  for proj in projs}
+        for init, p, which, qs in expert_stacks(graph, ckpt):
+            projs = tuple(qs)
             if not all(isinstance(q, Fp8Weight) for group in qs.values() for q in group):
                 continue  # float (or int4) experts: the stack stays as converted
             wq = self.expert_bytes(graph, weights, bindings, p, which, qs, list(init.shape))

@@ -24,9 +24,9 @@ import torch
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.passes.lower_fp8 import (
-    STACK,
     const,
     derived_initializer,
+    expert_stacks,
     quantized_matmuls,
     replace_matmul,
     replace_stack_uses,
@@ -106,14 +106,8 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
     used: it takes one constant weight, not a gathered one. Other int4 experts (asymmetric,
     msModelSlim's layout) are dequantised at conversion, as before."""
     done = 0
-    for init in list(graph.initializers.values()):
-        m = STACK.match(init.name or "")
-        if m is None or not init.uses():
-            continue
-        p, which = m.group(1), m.group(2)
-        projs = ("gate", "up") if which == "gate_up" else ("down",)
-        qs = {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight") for e in range(ckpt.dims.experts)]
-              for proj in projs}
+    for init, p, which, qs in expert_stacks(graph, ckpt):
+        projs = tuple(qs)
         flat = [q for group in qs.values() for q in group]
         if not all(isinstance(q, Int4Weight) and q.symmetric and q.fmt == "compressed-tensors" and not q.k % q.group
                    for q in flat) or len({q.group for q in flat}) != 1:
