@@ -159,14 +159,15 @@ def test_checker_lists_every_problem(tmp_path: Path, cli, converted) -> None:
         ("model", "opset 19"), ("model", "domain com.microsoft"), ("mask/Trilu", "Trilu"),
         ("q/Cast", "Cast to int8"), ("b/Cast", "Cast to BFLOAT16"), ("bf", "BFLOAT16"),
         ("mm", "com.microsoft::MatMulNBits")}
-    # An ONNX Runtime output is float ONNX except for the attention kernels `fuse_attention` puts in:
-    # those, and only those, are listed.
+    # An ONNX Runtime output is float ONNX except for the kernels `fuse_attention` and `fuse_norm`
+    # put in: those, and only those, are listed.
     ort_out = converted("tiny-qwen3", "fp32")
     code, stdout, _ = cli("inspect", ort_out, "--check", "ascend", "--json")
     problems = [p for ps in json.loads(stdout)["problems"].values() for p in ps]
     assert code == 1 and problems
     assert {p["what"] for p in problems} == {
-        "domain com.microsoft", "com.microsoft::GroupQueryAttention", "com.microsoft::RotaryEmbedding"}
+        "domain com.microsoft", "com.microsoft::GroupQueryAttention", "com.microsoft::RotaryEmbedding",
+        "com.microsoft::SkipSimplifiedLayerNormalization"}
 
 
 def fake_atc(bin_dir: Path, body: str) -> None:
