@@ -66,7 +66,9 @@ class LegalizeOrt:
             graph = model.graph
             if bad := bf16_tensors(graph):
                 raise Qwen2omError(f"{kind} graph has bf16 tensors, which no target accepts: {bad[:5]}")
-            if unknown := {d: v for d, v in model.opset_imports.items() if d not in ("", "ai.onnx")}:
+            # com.microsoft is ONNX Runtime's own (the fuse_* passes' kernels, run after this pass; a
+            # finished ORT graph passed through again keeps them). check_ascend refuses it for Ascend.
+            if unknown := {d: v for d, v in model.opset_imports.items() if d not in ("", "ai.onnx", "com.microsoft")}:
                 raise Qwen2omError(f"{kind} graph imports non-standard domains {unknown}")
             if model.opset_imports.get("", 0) > r.opset:
                 raise Qwen2omError(f"{kind} graph uses opset {model.opset_imports['']}, above {r.opset}")

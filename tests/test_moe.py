@@ -85,7 +85,7 @@ def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None], base: st
 @pytest.fixture(scope="module")
 def moe_out(tmp_path_factory) -> dict[str, Path]:
     """tiny qwen3/qwen2 MoE as the ORT recipes build them (experts → com.microsoft::MoE), and
-    tiny qwen3 MoE in the portable standard-op form (the recipe without `fuse_moe` and `fuse_attention`)."""
+    tiny qwen3 MoE in the portable standard-op form (the recipe without the fuse_* passes)."""
     outs = {}
     for name in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
         outs[name] = tmp_path_factory.mktemp("moe") / name
@@ -93,7 +93,7 @@ def moe_out(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("portable")
     outs["portable"] = tmp / "out"
     convert("builtin:tiny-qwen3-moe", outs["portable"], overrides=SMALL,
-            recipe=recipe_with(tmp, "portable", {"fuse_moe": None, "fuse_attention": None}))
+            recipe=recipe_with(tmp, "portable", {"fuse_moe": None, "fuse_attention": None, "fuse_norm": None}))
     return outs
 
 

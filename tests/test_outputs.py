@@ -53,7 +53,11 @@ def test_graphs_are_legal_and_float_kept(converted, dtype: str) -> None:
     for kind in ("decode", "prefill"):
         model = onnx.load(out / f"model.{kind}.onnx", load_external_data=False)
         assert model.ir_version == 8
-        assert {(o.domain, o.version) for o in model.opset_import} == {("", 18)}
+        assert {(o.domain, o.version) for o in model.opset_import} == {("", 18), ("com.microsoft", 1)}
+        # ONNX Runtime's own kernels only where the fuse_* passes put them (fuse_norm: fp32 only).
+        contrib = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+        assert contrib == {"GroupQueryAttention", "RotaryEmbedding"} | (
+            {"SkipSimplifiedLayerNormalization"} if dtype == "fp32" else set()), contrib
         onnx.checker.check_model(str(out / f"model.{kind}.onnx"))
         inits = {t.name: t for t in model.graph.initializer}
         assert not [n for n, t in inits.items() if t.data_type == onnx.TensorProto.BFLOAT16]
