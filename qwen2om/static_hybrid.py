@@ -30,7 +30,7 @@ from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims, text_config
 from qwen2om.errors import CheckpointError
-from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, Rotary, SparseMoE, StaticLM
+from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, RMSNorm, Rotary, SparseMoE, StaticLM
 from qwen2om.weights import Weights
 
 MAX_SUBCHUNK = 64  # tokens per block of the chunked delta rule (FLA and transformers use 64)
@@ -49,31 +49,18 @@ def hybrid_rope_tables(cfg: dict[str, Any], d: ModelDims, positions: int) -> tup
     return emb.cos().float(), emb.sin().float()
 
 
-class ZeroCentredRMSNorm(nn.Module):
+class ZeroCentredRMSNorm(RMSNorm):
     """x̂ · (1 + w), all in float32, then the compute dtype (Qwen3.5 / Qwen3-Next)."""
 
-    def __init__(self, w: Weights, name: str, eps: float) -> None:
-        super().__init__()
-        self.weight = w.param(f"{name}.weight")
-        self.eps = eps
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """w · x̂ · silu(z): the linear layer's output norm, per value head (weights near 1, not zero-centred)."""
 
-    def __init__(self, w: Weights, name: str, eps: float) -> None:
-        super().__init__()
-        self.weight = w.param(f"{name}.weight")
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = (self.weight * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)).float()
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = super().forward(x).float()
         return (h * nn.functional.silu(z.float())).to(x.dtype)
 
 

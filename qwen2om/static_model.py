@@ -38,19 +38,22 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Qwen RMSNorm: statistics in float32, scale applied in the compute dtype (as transformers)."""
+    """Qwen RMSNorm: statistics in float32, scale applied in the compute dtype (as transformers).
+    The hybrids' norms (static_hybrid.py) differ only in how they apply the weight."""
 
     def __init__(self, w: Weights, name: str, eps: float) -> None:
         super().__init__()
         self.weight = w.param(f"{name}.weight")
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x̂ in float32. Written as x / sqrt(mean(x²) + eps): the pattern ONNX Runtime fuses into one
+        SimplifiedLayerNormalization kernel (rsqrt exports as Sqrt + Reciprocal, which it does not)."""
         h = x.to(torch.float32)
-        # Written as x / sqrt(mean(x²) + eps) · w: the pattern ONNX Runtime fuses into one
-        # SimplifiedLayerNormalization kernel (rsqrt exports as Sqrt + Reciprocal, which it does not).
-        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalized(x).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
