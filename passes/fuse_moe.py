@@ -40,11 +40,11 @@ from qwen2om.weights import WeightRef, Weights
 SCOPE = re.compile(r"^/model/layers\.(\d+)/mlp/experts/")
 
 
-def regions(graph: ir.Graph) -> dict[int, list[ir.Node]]:
-    """Layer → the nodes of its `mlp.experts` scope, in graph order."""
+def regions(graph: ir.Graph, scope: re.Pattern[str] = SCOPE) -> dict[int, list[ir.Node]]:
+    """Layer → the nodes of its `scope` (`mlp.experts` by default; group 1 is the layer), in graph order."""
     found: dict[int, list[ir.Node]] = {}
     for node in graph:
-        if m := SCOPE.match(node.name or ""):
+        if m := scope.match(node.name or ""):
             found.setdefault(int(m.group(1)), []).append(node)
     return found
 
