@@ -58,15 +58,15 @@ def node(graph: ir.Graph, before: ir.Node, op: str, inputs: list[ir.Value | None
     return out
 
 
-def from_mask(v: ir.Value, mask: ir.Value) -> bool:
-    """`v` is `mask` (or another graph input), or computed from it and constants only (an Unsqueeze, a Cast)."""
-    if v is mask:
+def derived_from(v: ir.Value, source: ir.Value) -> bool:
+    """`v` is `source` (the mask, the positions), or computed from it and constants only (an Unsqueeze, a Cast)."""
+    if v is source:
         return True
     node = v.producer()
     if node is None:
         return False
     operands = [i for i in node.inputs if not constant(i)]
-    return bool(operands) and all(from_mask(i, mask) for i in operands)
+    return bool(operands) and all(derived_from(i, source) for i in operands)
 
 
 def sweep(graph: ir.Graph) -> None:
@@ -223,8 +223,8 @@ class FuseAttention:
             nodes = [n for n in region if n not in constants]
             inputs, outputs = boundary(graph, nodes)
             # cos/sin (and their reshapes, which the exporter may share with later layers) are not operands.
-            operands = [v for v in inputs if not from_mask(v, positions)]
-            outputs = [v for v in outputs if not from_mask(v, positions)]
+            operands = [v for v in inputs if not derived_from(v, positions)]
+            outputs = [v for v in outputs if not derived_from(v, positions)]
             shapes = [v.shape for v in operands]
             if len(operands) != 2 or len(outputs) != 2 or any(x is None or len(x) != 4 for x in shapes):
                 ctx.log(f"{kind} graph, layer {layer}: RoPE left in standard ops: expected q, k [B, T, heads, D] "
@@ -278,8 +278,8 @@ class FuseAttention:
         node of another layer's region (the exporter shares identical mask reshapes), and the
         region may likewise hand its mask reshape to later layers: those values are not operands."""
         inputs, outputs = boundary(graph, nodes)
-        operands = [v for v in inputs if not from_mask(v, mask)]
-        results = [v for v in outputs if not from_mask(v, mask)]
+        operands = [v for v in inputs if not derived_from(v, mask)]
+        results = [v for v in outputs if not derived_from(v, mask)]
         if len(operands) != 5 or len(results) != 1 or len(inputs) != 6:
             return (f"expected 6 inputs (q, k, v, mask, past K/V) and 1 output, found {len(inputs)} "
                     f"and {len(results)}")

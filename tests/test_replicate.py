@@ -35,6 +35,25 @@ def session(path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+def assert_same_graph(rep, full) -> None:
+    """Same inputs and outputs, and bit-identical results on random ids, states and a real mask
+    (0 or the dtype's minimum: the hybrids' conv reads which rows are pads from it)."""
+    a, b = session(rep), session(full)
+    assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
+    assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in a.get_inputs():
+        if i.type == "tensor(int64)":
+            feeds[i.name] = rng.integers(0, 60, size=i.shape).astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.where(rng.random(i.shape) < 0.5, 0, np.finfo(np.float32).min).astype(np.float32)
+        else:
+            feeds[i.name] = rng.standard_normal(i.shape).astype(np.float32)
+    for x, y, o in zip(a.run(None, feeds), b.run(None, feeds), a.get_outputs(), strict=True):
+        assert np.array_equal(x, y), o.name
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-untied"])
 def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path) -> None:
     ws_rep, stats_rep = build(name, tmp_path, True)
@@ -42,18 +61,7 @@ def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path
     assert stats_rep["decode_layers_traced"] == 2 and stats_full["decode_layers_traced"] == 4
     for kind in ("decode", "prefill"):
         assert stats_rep[f"{kind}_nodes"] == stats_full[f"{kind}_nodes"]
-        a, b = session(ws_rep["onnx_files"][kind]), session(ws_full["onnx_files"][kind])
-        assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
-        assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
-        rng = np.random.default_rng(0)
-        feeds = {}
-        for i in a.get_inputs():
-            if i.type == "tensor(int64)":
-                feeds[i.name] = rng.integers(0, 60, size=i.shape).astype(np.int64)
-            else:
-                feeds[i.name] = rng.standard_normal(i.shape).astype(np.float32)
-        for x, y, o in zip(a.run(None, feeds), b.run(None, feeds), a.get_outputs(), strict=True):
-            assert np.array_equal(x, y), o.name
+        assert_same_graph(ws_rep["onnx_files"][kind], ws_full["onnx_files"][kind])
 
 
 def test_cloned_nodes_are_named_after_their_layer(tmp_path) -> None:
@@ -91,17 +99,4 @@ def test_hybrid_layers_clone_by_kind(tmp_path, monkeypatch) -> None:
         # layers (the exporter's CSE): the mask's reshape and the RoPE cos/sin reshapes of the
         # `rotary` module; the clone of layer 3 recomputes them: at most three nodes more, same numbers.
         assert 0 <= stats_rep[f"{kind}_nodes"] - stats_full[f"{kind}_nodes"] <= 3
-        a, b = session(ws_rep["onnx_files"][kind]), session(ws_full["onnx_files"][kind])
-        assert [(i.name, i.shape) for i in a.get_inputs()] == [(i.name, i.shape) for i in b.get_inputs()]
-        assert [(o.name, o.shape) for o in a.get_outputs()] == [(o.name, o.shape) for o in b.get_outputs()]
-        rng = np.random.default_rng(0)
-        feeds = {}
-        for i in a.get_inputs():
-            if i.type == "tensor(int64)":
-                feeds[i.name] = rng.integers(0, 60, size=i.shape).astype(np.int64)
-            elif i.name == "attention_mask":  # a real mask: the conv reads which rows are pads from it
-                feeds[i.name] = np.where(rng.random(i.shape) < 0.5, 0, np.finfo(np.float32).min).astype(np.float32)
-            else:
-                feeds[i.name] = rng.standard_normal(i.shape).astype(np.float32)
-        for x, y, o in zip(a.run(None, feeds), b.run(None, feeds), a.get_outputs(), strict=True):
-            assert np.array_equal(x, y), o.name
+        assert_same_graph(ws_rep["onnx_files"][kind], ws_full["onnx_files"][kind])
