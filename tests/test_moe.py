@@ -384,6 +384,26 @@ def test_fp8_block_moe(cli, tmp_path: Path) -> None:
     assert code == 0 and json.loads(stdout)["mean_kl"] < 0.05, err
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-5-moe"])
+def test_fp8_block_fused_experts_are_written_per_expert(cli, checkpoint, name: str, tmp_path: Path) -> None:
+    """`--scheme fp8-block` on experts stored fused 3-D writes exactly what it writes for the per-expert
+    original (before, the fused stacks were copied float and config.json did not say so)."""
+    src = fused_copy(checkpoint(name), tmp_path / "fused")
+    for ckpt, fp8 in ((src, tmp_path / "fp8-fused"), (f"builtin:{name}", tmp_path / "fp8-per-expert")):
+        code, _, err = cli("calibrate", ckpt, "-o", fp8, "--scheme", "fp8-block")
+        assert code == 0, err
+    fused, per_expert = stored(tmp_path / "fp8-fused"), stored(tmp_path / "fp8-per-expert")
+    assert sorted(fused) == sorted(per_expert) and all(torch.equal(fused[k], per_expert[k]) for k in fused)
+    experts = [k for k, v in fused.items() if ".mlp.experts." in k and v.dtype == torch.float8_e4m3fn]
+    assert len(experts) == 4 * 8 * 3  # every expert's gate, up and down of 4 layers
+    ckpt = Checkpoint(tmp_path / "fp8-fused")
+    assert not ckpt.fused_experts
+    assert ckpt.config["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+    out = tmp_path / "out"
+    convert(tmp_path / "fp8-fused", out, overrides=SMALL)
+    assert verify(out, tmp_path / "fp8-fused", tokens=8, prompts=[VARIED]).passed
+
+
 def test_moe_layers_are_cloned_from_the_template(moe_out) -> None:
     """Export traces two layers and clones the rest, as for dense models (4-layer tiny-qwen3-moe)."""
     manifest = json.loads((moe_out["tiny-qwen3-moe"] / "manifest.json").read_text())

@@ -10,7 +10,11 @@ Qwen publishes as Qwen3-*-FP8, which transformers, vLLM and `qwen2om convert` re
 - config.json `quantization_config`: quant_method fp8, fmt e4m3, activation_scheme dynamic,
   weight_block_size [128, 128], modules_to_not_convert = the linear modules left float.
 
-One tensor is in memory at a time; layers are written in order.
+MoE experts stored fused 3-D (`experts.gate_up_proj` / `experts.down_proj`, the layout transformers 5
+saves) are written per expert (`experts.E.gate_proj.weight` + its scale), each read as a slice of its
+stack, as in Qwen's own FP8 releases; a fused float stack would leave most of an MoE model's weights float.
+
+One tensor (one expert's projection, for fused stacks) is in memory at a time; layers are written in order.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from qwen2om.arch import LM_HEAD, quantizable
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.quant import fp8
+from qwen2om.quant.experts import expand_names, unfused_experts
 from qwen2om.quant.writer import ShardWriter
 
 BLOCK = (128, 128)
@@ -49,13 +54,19 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
     """Write every tensor of `ckpt`, the targets as FP8. Returns (per-weight reports, seconds per
     layer, linear modules left float)."""
     arch, layers = ckpt.arch, ckpt.dims.layers
-    targets = {n for n in ckpt.names() if quantizable(arch, n, ignore=ignore, lm_head=lm_head)}
-    tied_head = lm_head and LM_HEAD not in ckpt.names()
+    slices = unfused_experts(ckpt)  # per-expert name → its slice of a fused expert stack
+    names = expand_names(ckpt.names(), slices)
+
+    def read(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return slices[name].read(ckpt, dtype) if name in slices else ckpt.get(name, dtype)
+
+    targets = {n for n in names if quantizable(arch, n, ignore=ignore, lm_head=lm_head)}
+    tied_head = lm_head and LM_HEAD not in names
     reports: list[Fp8Report] = []
     seconds: list[float] = []
 
     def emit(name: str, source: str) -> None:
-        w = finite(source, ckpt.get(source, torch.float32))
+        w = finite(source, read(source, torch.float32))
         q, scale = fp8.quantize(w, BLOCK)
         err = float((fp8.dequantize(q, scale, BLOCK) - w).norm() / w.norm().clamp_min(1e-30))
         writer.add(name, q)
@@ -63,20 +74,19 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
         reports.append(Fp8Report(name, err, float(scale.min()), float(scale.max())))
 
     by_layer: dict[int | None, list[str]] = {}
-    for n in ckpt.names():
+    for n in names:
         by_layer.setdefault(layer_of(n), []).append(n)
     for n in by_layer.pop(None, []):
-        emit(n, n) if n in targets else writer.add(n, ckpt.get(n))
+        emit(n, n) if n in targets else writer.add(n, read(n))
     for i in range(layers):
         t0 = time.perf_counter()
         for n in by_layer.get(i, []):
-            emit(n, n) if n in targets else writer.add(n, ckpt.get(n))
+            emit(n, n) if n in targets else writer.add(n, read(n))
         seconds.append(time.perf_counter() - t0)
         progress("quantising layers", i + 1, layers)
     if tied_head:  # the head becomes its own FP8 tensor; the embedding stays float
         emit(LM_HEAD, "model.embed_tokens.weight")
-    left_float = sorted(n.removesuffix(".weight") for n in ckpt.names()
-                        if quantizable(arch, n) and n not in targets)
+    left_float = sorted(n.removesuffix(".weight") for n in names if quantizable(arch, n) and n not in targets)
     if not lm_head:
         left_float.append("lm_head")
     return reports, seconds, left_float
