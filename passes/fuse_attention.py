@@ -105,7 +105,7 @@ def origin(out: ir.Value, sources: list[ir.Value], members: set[ir.Node]) -> ir.
 class Lengths:
     """The per-graph values every layer's kernel shares, built from the mask before the first layer."""
 
-    def __init__(self, graph: ir.Graph, mask: ir.Value, before: ir.Node, p: int, t: int) -> None:
+    def __init__(self, graph: ir.Graph, mask: ir.Value, before: ir.Node, p: int, t: int | ir.SymbolicDim) -> None:
         def op(kind: str, inputs: list[ir.Value | None], suffix: str, dtype: ir.DataType, shape: list[int | str],
                *attrs: ir.Attr) -> ir.Value:
             return node(graph, before, kind, inputs, f"{LENGTHS}/{suffix}", list(attrs), like=(dtype, shape))[0]
@@ -115,6 +115,16 @@ class Lengths:
 
         i64, I64, I32 = np.int64, ir.DataType.INT64, ir.DataType.INT32  # noqa: N806
         b, s = mask.shape[0], "total_sequence_length"  # type: ignore[index]
+        if isinstance(t, int):
+            def plus_t(offset: int, name: str) -> ir.Value:  # the constant T + offset
+                return c(name, np.array(t + offset, i64))
+        else:  # a prefill graph exported with gears: T is the mask's axis 2, read once per call
+            mask_dims = op("Shape", [mask], "mask_shape", I64, [4])
+            tokens = op("Gather", [mask_dims, c("axis2_s", np.array(2, i64))], "tokens", I64, [])
+
+            def plus_t(offset: int, name: str) -> ir.Value:
+                return tokens if offset == 0 else op("Add", [tokens, c(f"{name}_offset", np.array(offset, i64))],
+                                                     name, I64, [])
         cached = op("Slice", [mask, c("zero", np.array([0], i64)), c("p", np.array([p], i64)),
                               c("axis3", np.array([3], i64))], "cached", mask.dtype, [b, 1, t, p])
         # The mask's "masked" value is the dtype's minimum (or −inf): anything above half of it attends.
@@ -125,12 +135,12 @@ class Lengths:
         slot = op("Mul", [attends, c("slots", np.arange(1, p + 1, dtype=i64))], "slot", I64, [b, 1, t, p])
         length = op("ReduceMax", [slot, c("axes123", np.array([1, 2, 3], i64))], "length", I64, [b],
                     ir.AttrInt64("keepdims", 0))  # [B]: one past the last attended cache slot
-        last = op("Add", [length, c("t_minus_1", np.array(t - 1, i64))], "last", I64, [b])
+        last = op("Add", [length, plus_t(-1, "t_minus_1")], "last", I64, [b])
         self.seqlens = op("Cast", [last], "seqlens_k", I32, [b], ir.AttrInt64("to", I32))
         longest = op("ReduceMax", [length], "longest", I64, [], ir.AttrInt64("keepdims", 0))
         self.filled = op("Reshape", [longest, c("flat", np.array([1], i64))], "filled", I64, [1])  # Slice's end
         self.zero, self.axis2 = c("zero", np.array([0], i64)), c("axis2", np.array([2], i64))
-        total = op("Add", [longest, c("t", np.array(t, i64))], "total64", I64, [])
+        total = op("Add", [longest, plus_t(0, "t")], "total64", I64, [])
         self.total = op("Cast", [total], "total_sequence_length", I32, [], ir.AttrInt64("to", I32))
         # Row b's kernel column j is cache slot j while j < L_b, then new token j − L_b (mask column
         # P + j − L_b); columns past L_b + T are never read by the kernel (clipped to a valid index).
@@ -140,11 +150,16 @@ class Lengths:
         new = op("Add", [op("Sub", [j, lb], "j_minus_l", I64, [b, s]), c("p_s", np.array(p, i64))],
                  "new_col", I64, [b, s])
         col = op("Where", [op("Less", [j, lb], "in_cache", ir.DataType.BOOL, [b, s]), j, new], "col_any", I64, [b, s])
-        col = op("Min", [col, c("last_col", np.array(p + t - 1, i64))], "col", I64, [b, s])
+        col = op("Min", [col, plus_t(p - 1, "last_col")], "col", I64, [b, s])
         rows = op("Reshape", [col, c("col_shape", np.array([b, 1, 1, -1], i64))], "col_4d", I64, [b, 1, 1, s])
-        shape = op("Concat", [c("bias_lead", np.array([b, 1, t], i64)), self.filled], "bias_lead_filled", I64, [4],
-                   ir.AttrInt64("axis", 0))
-        shape = op("Add", [shape, c("bias_t", np.array([0, 0, 0, t], i64))], "bias_shape", I64, [4])
+        if isinstance(t, int):
+            shape = op("Concat", [c("bias_lead", np.array([b, 1, t], i64)), self.filled], "bias_lead_filled", I64,
+                       [4], ir.AttrInt64("axis", 0))
+            shape = op("Add", [shape, c("bias_t", np.array([0, 0, 0, t], i64))], "bias_shape", I64, [4])
+        else:  # [B, 1, T, L + T]
+            t1 = op("Reshape", [tokens, c("flat", np.array([1], i64))], "tokens_1d", I64, [1])
+            shape = op("Concat", [c("bias_b1", np.array([b, 1], i64)), t1, op("Add", [self.filled, t1], "filled_t",
+                                  I64, [1])], "bias_shape", I64, [4], ir.AttrInt64("axis", 0))
         index = op("Expand", [rows, shape], "bias_index", I64, [b, 1, t, s])
         self.bias = op("GatherElements", [mask, index], "bias", mask.dtype, [b, 1, t, s], ir.AttrInt64("axis", 3))
 
@@ -170,10 +185,15 @@ class FuseAttention:
                 sweep(graph)
             found = regions(graph, SCOPE)
             mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-            if not found or mask is None or mask.shape is None or not all(isinstance(x, int) for x in mask.shape):
+            if not found or mask is None or mask.shape is None or not isinstance(mask.shape[0], int):
                 continue
             b, t, pt = mask.shape[0], mask.shape[2], mask.shape[3]
-            if b > 1 and t > 1:
+            # With prefill gears T is symbolic ("T", the mask's last axis "T+P"): P is the cache's length.
+            p = pt - t if isinstance(t, int) else next(
+                (v.shape[2] for v in graph.inputs if v.name.startswith("past_key") and v.shape is not None), None)
+            if not isinstance(p, int):
+                continue
+            if b > 1 and (not isinstance(t, int) or t > 1):
                 # ONNX Runtime 1.32: "batch_size must be 1 when sequence_length > 1 and past context is given".
                 ctx.log(f"{kind} graph: attention left in standard ops: the kernel takes a chunk with a "
                         f"cache only at batch 1 (this graph: batch {b}, {t} tokens)")
@@ -193,7 +213,7 @@ class FuseAttention:
                     continue
                 if lengths is None:
                     first = next(n for n in graph if n.name and SCOPE.match(n.name))
-                    lengths = Lengths(graph, mask, first, pt - t, t)
+                    lengths = Lengths(graph, mask, first, p, t)
                 self.fuse(graph, layer, nodes, roles, lengths, dims)
                 for n in reversed(constants):
                     if not any(v.uses() or v.is_graph_output() for v in n.outputs):
@@ -280,9 +300,10 @@ class FuseAttention:
         inputs, outputs = boundary(graph, nodes)
         operands = [v for v in inputs if not derived_from(v, mask)]
         results = [v for v in outputs if not derived_from(v, mask)]
-        if len(operands) != 5 or len(results) != 1 or len(inputs) != 6:
-            return (f"expected 6 inputs (q, k, v, mask, past K/V) and 1 output, found {len(inputs)} "
-                    f"and {len(results)}")
+        # Mask-derived inputs: the mask (or its shared reshape), and with a symbolic T its shape values too.
+        if len(operands) != 5 or len(results) != 1 or len(inputs) == len(operands):
+            return (f"expected q, k, v, past K/V and the mask in, 1 output, found {len(operands)} operands, "
+                    f"{len(inputs) - len(operands)} mask-derived inputs and {len(results)} outputs")
         members = set(nodes)
         roles: dict[str, ir.Value] = {"out": results[0]}
         for v in operands:

@@ -50,11 +50,13 @@ def regions(graph: ir.Graph, scope: re.Pattern[str] = SCOPE) -> dict[int, list[i
 
 
 def constant(v: ir.Value | None) -> bool:
-    """An initializer, or computed from initializers only (ConstantOfShape of a shape constant)."""
+    """An initializer, or computed from initializers and tensor shapes only, never from tensor data
+    (ConstantOfShape of a shape constant; in a graph with prefill gears, the exporter's arithmetic on
+    `Shape` of the symbolic-T inputs, which it shares between layers like any constant)."""
     if v is None or v.is_initializer():
         return True
     node = v.producer()
-    return node is not None and all(constant(i) for i in node.inputs)
+    return node is not None and (node.op_type == "Shape" or all(constant(i) for i in node.inputs))
 
 
 def boundary(graph: ir.Graph, nodes: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Value]]:

@@ -102,10 +102,11 @@ def convert(
                                                     "Ascend310B1); implies --target ascend")] = None,
     precision: Annotated[str | None, typer.Option(help="--target ascend: ATC --precision_mode_v2: origin (keep "
                                                   "the graph's dtypes, default), mixed_float16 or fp16")] = None,
-    gears: Annotated[str | None, typer.Option(help="--target ascend: prefill chunk sizes compiled into one .om "
-                                              "with ATC --dynamic_dims, e.g. 16,32,64,128 (the largest is the "
-                                              "prefill chunk); each prompt chunk runs at the smallest that "
-                                              "holds it")] = None,
+    gears: Annotated[str | None, typer.Option(help="prefill chunk sizes one prefill graph serves, e.g. "
+                                              "16,32,64,128 (the largest is the prefill chunk); each prompt chunk "
+                                              "runs at the smallest that holds it, so a short prompt does not pay "
+                                              "for a whole chunk. On Ascend they are compiled into one .om with "
+                                              "ATC --dynamic_dims")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="--target ascend: write OUT/ascend/ (the atc "
                                           "commands and their files) without running atc, even if CANN is "
                                           "installed")] = False,

@@ -121,16 +121,14 @@ class Recipe:
 
 
     def check_gears(self) -> None:
-        """Gears are ATC --dynamic_dims prefill chunk sizes: ascend only, 2..100 distinct positive token
-        counts, none above the prefill chunk (which the largest one is) or the cache capacity."""
+        """Gears are the prefill chunk sizes one symbolic-T prefill graph serves (on Ascend, ATC
+        --dynamic_dims; on ONNX Runtime, the runtime runs each chunk at the smallest that holds it):
+        2..100 distinct positive token counts, none above the prefill chunk (which the largest one is)
+        or the cache capacity."""
         g = self.gears
         if not g:
             return
         shown = ",".join(map(str, g))
-        if self.target != "ascend":
-            raise RecipeError(f"gears={shown} compiles prefill gears with ATC --dynamic_dims, which only the ascend "
-                              f"target does (this recipe's target is {self.target}): add --target ascend "
-                              "--soc-version ..., or drop --gears (the ort target runs one static prefill graph)")
         if bad := [x for x in g if x < 1]:
             raise RecipeError(f"gears={shown}: gear {bad[0]} is not a positive token count")
         if dup := sorted({x for x in g if g.count(x) > 1}):
@@ -139,7 +137,7 @@ class Recipe:
             raise RecipeError(f"gears={shown}: one gear is a static prefill graph; use --prefill-chunk {g[0]} "
                               "instead, or give at least two gears")
         if len(g) > MAX_GEARS:
-            raise RecipeError(f"gears: {len(g)} gears, ATC --dynamic_dims takes at most {MAX_GEARS}")
+            raise RecipeError(f"gears: {len(g)} gears, at most {MAX_GEARS} (ATC --dynamic_dims' limit)")
         if isinstance(self.prefill_chunk, int):
             if over := [x for x in g if x > self.prefill_chunk]:
                 raise RecipeError(f"gears={shown}: gear {over[0]} is outside 1..{self.prefill_chunk} (prefill_chunk, "

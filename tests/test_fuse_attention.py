@@ -67,19 +67,25 @@ def test_one_kernel_per_layer_and_no_attention_matmuls_left(outs, name: str, bat
         assert any(n.op_type == "Softmax" and "/cache_attention/" in n.name for n in portable.node)
 
 
-def hard_feeds(session: ort.InferenceSession, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def hard_feeds(session: ort.InferenceSession, rng: np.random.Generator, gear: int | None = None,
+               ) -> dict[str, np.ndarray]:
     """Random ids and caches (garbage in every slot, so a slot read that the mask excludes shows),
     and masks the kernel must honour exactly: rows of different lengths, a hole in the cache, an
-    empty cache, left padding in the chunk, and a free cache slot after the last filled one."""
+    empty cache, left padding in the chunk, and a free cache slot after the last filled one.
+    A graph with prefill gears (symbolic T) is fed `gear` tokens."""
+    p = next(i.shape[2] for i in session.get_inputs() if i.name.startswith("past_key"))
+
+    def concrete(shape: list[int | str]) -> list[int]:  # "T" → gear, "T+P" → gear + P
+        return [d if isinstance(d, int) else gear + (p if "+" in d else 0) for d in shape]  # type: ignore[operator]
+
     feeds: dict[str, np.ndarray] = {}
     for i in session.get_inputs():
-        shape = i.shape
+        shape = concrete(i.shape)
         if i.name == "input_ids":
             feeds[i.name] = rng.integers(0, 1000, size=shape, dtype=np.int64)
         elif i.name.startswith("past_"):
             feeds[i.name] = rng.standard_normal(shape).astype(np.float32) * 3
-    b, _, t, pt = next(i.shape for i in session.get_inputs() if i.name == "attention_mask")
-    p = pt - t
+    b, _, t, pt = concrete(next(i.shape for i in session.get_inputs() if i.name == "attention_mask"))
     low = np.finfo(np.float32).min
     mask = np.full((b, 1, t, pt), low, dtype=np.float32)
     positions = np.zeros((b, t), dtype=np.int64)
@@ -109,6 +115,24 @@ def test_fused_graph_computes_what_the_portable_graph_computes(outs, name: str, 
     assert np.isfinite(got["logits"]).all()
     for key in want:
         assert np.abs(got[key] - want[key]).max() <= 2e-5, key
+
+
+def test_fused_prefill_with_gears_computes_what_the_portable_graph_computes(tmp_path: Path) -> None:
+    """A prefill graph exported with gears (symbolic T: the kernel's lengths come from the mask's shape at
+    run time) against its portable form, at every gear, on the same hard masks."""
+    overrides = [*SMALL, "gears=4,8,32"]
+    convert("builtin:tiny-qwen3", tmp_path / "fused", overrides=overrides)
+    convert("builtin:tiny-qwen3", tmp_path / "portable", overrides=overrides,
+            recipe=recipe_with(tmp_path, "portable", {"fuse_attention": None, "fuse_norm": None}, base="qwen3-fp32"))
+    assert sum(n.op_type == "GroupQueryAttention" for n in graph(tmp_path / "fused", "prefill").node) == 4
+    sessions = [ort.InferenceSession(str(tmp_path / kind / "model.prefill.onnx"), providers=["CPUExecutionProvider"])
+                for kind in ("fused", "portable")]
+    for gear in (4, 8, 32):
+        feeds = hard_feeds(sessions[1], np.random.default_rng(gear), gear)
+        got, want = (dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds), strict=True)) for s in sessions)
+        assert got["logits"].shape[1] == 1 and got["present_key.0"].shape[2] == gear
+        for key in want:
+            assert np.abs(got[key] - want[key]).max() <= 2e-5, (gear, key)
 
 
 def test_manifest_reports_the_fused_layers(outs) -> None:

@@ -1,5 +1,5 @@
-"""Prefill gears (`convert --target ascend --gears 8,16,32`): one prefill graph with a symbolic token
-count, compiled by ATC with --dynamic_dims, and run on CPU at the smallest gear that holds each chunk."""
+"""Prefill gears (`convert --gears 8,16,32`): one prefill graph with a symbolic token count, compiled by
+ATC with --dynamic_dims for Ascend, and run at the smallest gear that holds each chunk (ONNX Runtime)."""
 
 from __future__ import annotations
 
@@ -53,15 +53,7 @@ def test_gears_output_is_legal_and_verifies_at_every_gear(out: Path, monkeypatch
     assert stats["check_outputs"]["graphs_run"] == 2  # the trial run: prefill at gears 8 and 32
     for spec in manifest["graphs"].values():
         assert not problems(ir.serde.deserialize_model(onnx.load(out / spec["file"], load_external_data=False)))
-    used: Counter[int] = Counter()
-    run = standalone._Graph.run
-
-    def counting(self: standalone._Graph, t: int) -> np.ndarray:
-        if len(self.gears) > 1:
-            used[t] += 1
-        return run(self, t)
-
-    monkeypatch.setattr(standalone._Graph, "run", counting)
+    used = counting_gears(monkeypatch)
     report = verify(out, "builtin:tiny-qwen3", tokens=16)
     assert report.passed and report.agreement == 1.0 and report.max_abs < 2e-2
     assert set(used) == {8, 16, 32}, used
@@ -118,7 +110,7 @@ def test_gears_resolve_the_prefill_chunk_and_stop_at_the_capacity() -> None:
 def test_gears_on_the_command_line(tmp_path: Path, cli) -> None:
     """Bad --gears stop before any work, in one line, and leave no OUT behind."""
     for args, message in (
-        (["--gears", "16,32"], "only the ascend target does (this recipe's target is ort)"),
+        (["--gears", "16,16"], "gear 16 is listed more than once"),  # the ort target
         (["--soc-version", "Ascend910B3", "--gears", "16,16"], "gear 16 is listed more than once"),
         (["--soc-version", "Ascend910B3", "--gears", "16,64", "--prefill-chunk", "32"], "outside 1..32"),
     ):
@@ -129,6 +121,43 @@ def test_gears_on_the_command_line(tmp_path: Path, cli) -> None:
                        "--gears", "16,32")
     assert code != 0 and "prefill gears are not supported for qwen3_5" in err and "Traceback" not in err
     assert not (tmp_path / "h").exists()
+
+
+def counting_gears(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """Which gears the runtime's multi-gear graphs run at, from now on."""
+    used: Counter[int] = Counter()
+    run = standalone._Graph.run
+
+    def counting(self: standalone._Graph, t: int) -> np.ndarray:
+        if len(self.gears) > 1:
+            used[t] += 1
+        return run(self, t)
+
+    monkeypatch.setattr(standalone._Graph, "run", counting)
+    return used
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_ort_gears(converted, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """`--gears` on the ort target: one symbolic-T prefill graph whose attention (and experts) are still
+    ONNX Runtime's kernels in every layer, exact against transformers in fp32 at every gear."""
+    out = converted(name, "fp32", "gears=8,16,32")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["graphs"]["prefill"]["gears"] == [8, 16, 32] and manifest["recipe"]["target"] == "ort"
+    stats = {s["pass"]: s["stats"] for s in manifest["stages"]}
+    layers = manifest["dims"]["layers"]
+    assert stats["fuse_attention"] == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers}
+    if name.endswith("-moe"):  # the exporter's T-sized routing zeros, shared between layers, do not stop it
+        assert stats["fuse_moe"] == {"fused_layers": 2 * layers, "kept_layers": 0}
+    prefill = onnx.load(out / "model.prefill.onnx", load_external_data=False).graph
+    ids = next(i for i in prefill.input if i.name == "input_ids")
+    assert [d.dim_param or d.dim_value for d in ids.type.tensor_type.shape.dim] == [1, "T"]
+    assert sum(n.op_type == "GroupQueryAttention" for n in prefill.node) == layers
+    assert not any(n.op_type == "Softmax" for n in prefill.node)
+    used = counting_gears(monkeypatch)
+    report = verify(out, f"builtin:{name}", tokens=16)
+    assert report.passed and report.agreement == 1.0 and report.max_abs <= 1e-4
+    assert set(used) == {8, 16, 32}, used
 
 
 def test_w4a16_with_gears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
