@@ -12,6 +12,8 @@ What it does, in order (every artefact is cached under `--workdir`/int4, `--rebu
      with accuracy_level 0 (float compute against the dequantised weights);
    - `w4-acc4`: W4 with a copy of `recipes/qwen3-fp32.yaml` whose pipeline says
      `- lower_int4: {accuracy_level: 4}` (activations quantised to int8 per block, as ORT GenAI does);
+   (and the variants `--only` names: `w4-acc4-qhead` with an int4 LM head, `w4-acc4-qhead-gears` the same
+   converted with `--gears 16,32,64,T`, so a short prompt's prefill runs at its smallest gear);
 4. `python -m onnxruntime_genai.models.builder -i CKPT -o OUT -p int4 -e cpu -c CACHE` (HF_HUB_OFFLINE=1);
 5. for each model, in a fresh child process (its own peak RSS, nothing shared between runtimes):
    the same `--prompt-tokens` ids, `--new-tokens` greedy tokens with EOS ignored, one warm-up and
@@ -59,12 +61,14 @@ from qwen2om.fixtures.synthetic import DENSE_PRESETS, SyntheticPreset, resolve_p
 
 GENAI_BASELINE_TPS = 14.1  # ORT GenAI int4 decode measured earlier on this machine (2 cores); the issue's yardstick
 TARGET_SPEEDUP = 1.5  # the issue: qwen2om int4 decode >= 1.5x ORT GenAI int4
-KEYS = ("fp32", "w4-acc0", "w4-acc4-unfused", "w4-acc4", "w4-acc4-qhead", "w4-acc4-g32-qhead", "ort-genai",
-        "w4-acc0-unpacked", "w4-acc4-unpacked")
+KEYS = ("fp32", "w4-acc0", "w4-acc4-unfused", "w4-acc4", "w4-acc4-qhead", "w4-acc4-g32-qhead",
+        "w4-acc4-qhead-gears", "ort-genai", "w4-acc0-unpacked", "w4-acc4-unpacked")
 # The int4 conversions: key → (calibration, recipe). Calibrations: "g" = --group-size G (LM head float, tied
 # to the embedding), "g-qhead" = the same with --quantize-lm-head, "g32-qhead" = group 32 with it.
 INT4 = {"w4-acc0": ("g", "default"), "w4-acc4-unfused": ("g", "acc4-unfused"), "w4-acc4": ("g", "acc4"),
-        "w4-acc4-qhead": ("g-qhead", "acc4"), "w4-acc4-g32-qhead": ("g32-qhead", "acc4")}
+        "w4-acc4-qhead": ("g-qhead", "acc4"), "w4-acc4-g32-qhead": ("g32-qhead", "acc4"),
+        "w4-acc4-qhead-gears": ("g-qhead", "acc4")}
+GEARED = ("w4-acc4-qhead-gears",)  # converted with --gears 16,32,64,...,prefill_chunk (a short prompt's prefill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,9 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    str(g), *(["--quantize-lm-head"] if head else []), *force]
                 for c, (g, head) in groups.items()}
     commands["fp32"] = [*q, "convert", str(ckpt), "-o", str(out["fp32"]), *sets, *force]
+    gears = ",".join(map(str, [g for g in (16, 32, 64) if g < a.prefill_chunk] + [a.prefill_chunk]))
     for k, (c, r) in INT4.items():
         commands[k] = [*q, "convert", str(w4[c]), "-o", str(out[k]),
-                       *([] if r == "default" else ["--recipe", str(recipes[r])]), *sets, *force]
+                       *([] if r == "default" else ["--recipe", str(recipes[r])]), *sets, *force,
+                       *(["--gears", gears] if k in GEARED else [])]
     commands["ort-genai"] = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
                              str(genai), "-p", "int4", "-e", "cpu", "-c", str(work / "ortgenai-cache")]
 
@@ -459,7 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Variant("w4-acc4-qhead", f"qwen2om int4 g{a.group_size}, accuracy_level 4, int4 LM head", "qwen2om",
                         out["w4-acc4-qhead"]),
                 Variant("w4-acc4-g32-qhead", "qwen2om int4 g32, accuracy_level 4, int4 LM head", "qwen2om",
-                        out["w4-acc4-g32-qhead"])]
+                        out["w4-acc4-g32-qhead"]),
+                Variant("w4-acc4-qhead-gears", f"qwen2om int4 g{a.group_size}, accuracy_level 4, int4 LM head, "
+                        f"prefill gears {gears}", "qwen2om", out["w4-acc4-qhead-gears"])]
     if not a.skip_ort_genai:
         variants.append(Variant("ort-genai", "ORT GenAI int4 (accuracy_level 4)", "ort-genai", genai))
     if a.unpacked_rows or a.only:
