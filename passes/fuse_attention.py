@@ -40,6 +40,7 @@ from qwen2om.passes.fuse_moe import boundary, constant, regions
 from qwen2om.passes.lower_fp8 import const
 from qwen2om.passes.lower_int4 import MS_DOMAIN
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.signature import ROLE_CACHE_KEY, ROLE_CACHE_VALUE, IOSpec
 
 SCOPE = re.compile(r"^/model/layers\.(\d+)/self_attn/cache_attention/")
 ROTARY = re.compile(r"^/model/layers\.(\d+)/self_attn/rotary/")
@@ -169,13 +170,21 @@ class FuseAttention:
     """Cache attention (portable standard ops) → one com.microsoft::GroupQueryAttention per layer (ONNX Runtime)."""
 
     name: ClassVar[str] = "fuse_attention"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "checkpoint")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "checkpoint", "signatures")
     produces: ClassVar[tuple[str, ...]] = ("attention_fused",)
+
+    def __init__(self, share_cache: bool = True) -> None:
+        """`share_cache`: in a decode graph (T = 1), hand the kernel the whole static cache and return its
+        present as `cache_key/value.{i}` [B, H, P, D], which the runtime binds to the past input's own
+        buffer: ONNX Runtime then reads the cache in place and writes only the new token's slot, where
+        a sliced past is copied twice per layer and step (a cost that grows with the conversation).
+        Off, or in prefill graphs (a padded chunk could run past the buffer's end), the past is sliced."""
+        self.share_cache = bool(share_cache)
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         dims = ws.need("checkpoint").dims
         ws["attention_fused"] = True
-        fused = kept = rotary = 0
+        fused = kept = rotary = shared = 0
         for kind, model in ws.need("graphs").items():
             graph = model.graph
             here_rotary = self.fuse_rotary(graph, ctx, kind)
@@ -214,7 +223,15 @@ class FuseAttention:
                 if lengths is None:
                     first = next(n for n in graph if n.name and SCOPE.match(n.name))
                     lengths = Lengths(graph, mask, first, p, t)
-                self.fuse(graph, layer, nodes, roles, lengths, dims)
+                share = self.share_cache and t == 1
+                self.fuse(graph, layer, nodes, roles, lengths, dims, share=share)
+                if share:
+                    inputs, outputs = ws["signatures"][kind]
+                    past = {s.name: s for s in inputs}
+                    outputs += [IOSpec(v.name, past[v.name.replace("cache_", "past_")].dtype,
+                                       past[v.name.replace("cache_", "past_")].shape, role, layer)
+                                for v, role in zip(graph.outputs[-2:], (ROLE_CACHE_KEY, ROLE_CACHE_VALUE), strict=True)]
+                    shared += 1
                 for n in reversed(constants):
                     if not any(v.uses() or v.is_graph_output() for v in n.outputs):
                         graph.remove(n, safe=True)
@@ -224,7 +241,8 @@ class FuseAttention:
                 model.opset_imports[MS_DOMAIN] = 1
             if here:
                 sweep(graph)
-        return PassResult(fused + rotary > 0, {"fused_layers": fused, "kept_layers": kept, "rotary_layers": rotary})
+        stats = {"fused_layers": fused, "kept_layers": kept, "rotary_layers": rotary}
+        return PassResult(fused + rotary > 0, stats | ({"shared_cache_layers": shared} if shared else {}))
 
     @staticmethod
     def fuse_rotary(graph: ir.Graph, ctx: RunContext, kind: str) -> int:
@@ -319,7 +337,7 @@ class FuseAttention:
 
     @staticmethod
     def fuse(graph: ir.Graph, layer: int, nodes: list[ir.Node], roles: dict[str, ir.Value], lengths: Lengths,
-             dims: object) -> None:
+             dims: object, *, share: bool = False) -> None:
         scope = f"/model/layers.{layer}/self_attn/cache_attention"
         before = nodes[0]
 
@@ -347,7 +365,14 @@ class FuseAttention:
             return node(graph, before, "Slice", [v, lengths.zero, lengths.filled, lengths.axis2], f"{scope}/{name}",
                         like=(v.dtype, [b, n, "filled", d]))[0]  # type: ignore[arg-type]
 
-        past_k, past_v = filled(roles["past_k"], "past_k_filled"), filled(roles["past_v"], "past_v_filled")
+        if share:  # the whole cache, read in place once the runtime binds cache_* to the past buffers
+            past_k, past_v = roles["past_k"], roles["past_v"]
+            present_names = [past_k.name.replace("past_", "cache_"), past_v.name.replace("past_", "cache_")]  # type: ignore[union-attr]
+            present_shape = past_k.shape
+        else:
+            past_k, past_v = filled(roles["past_k"], "past_k_filled"), filled(roles["past_v"], "past_v_filled")
+            present_names = [f"{scope}/present_key", f"{scope}/present_value"]
+            present_shape = ir.Shape([past_k.shape[0], kv_heads, "present", dims.head_dim])  # type: ignore[index, attr-defined]
         old = roles["out"]
         gqa = ir.Node(MS_DOMAIN, "GroupQueryAttention",
                       [q, k, v, past_k, past_v, lengths.seqlens, lengths.total,
@@ -357,11 +382,12 @@ class FuseAttention:
                       # Without the present outputs ONNX Runtime 1.32's CPU kernel ignores the cache
                       # (measured): they are produced and left unused.
                       outputs=[ir.Value(name=f"{old.name}_gqa", shape=old.shape, type=old.type),
-                               *(ir.Value(name=f"{scope}/{n}", type=past_k.type, shape=ir.Shape(
-                                   [past_k.shape[0], kv_heads, "present", dims.head_dim]))  # type: ignore[index, attr-defined]
-                                 for n in ("present_key", "present_value"))],
+                               *(ir.Value(name=n, type=past_k.type, shape=ir.Shape(present_shape))  # type: ignore[arg-type]
+                                 for n in present_names)],
                       name=f"{scope}/GroupQueryAttention")
         graph.insert_before(before, gqa)
+        if share:
+            graph.outputs.extend(gqa.outputs[1:])
         old.replace_all_uses_with(gqa.outputs[0])
         if old.is_graph_output():
             raise AssertionError(f"{old.name}: the attention output is a graph output")  # never: o_proj reads it

@@ -39,14 +39,15 @@ FORMATS = ("dot", "svg", "png", "txt")
 EXIT_NO_GRAPHVIZ = 3
 # /model/layers.3/self_attn/q_proj/MatMul, /model.layers.3.mlp.down_proj/fp8/Mul_6, model.layers.3.…weight
 LAYER_IN_NAME = re.compile(r"(?:^|[/.])layers\.(\d+)(?=[/.]|$)")
-KV_LAYER = r"^(?:past|present)_(?:key|value)\.(\d+)$"
+KV_LAYER = r"^(?:past|present|cache)_(?:key|value)\.(\d+)$"
 LAYER_WEIGHT = re.compile(rf"^model\.layers\.(\d+)\.|{KV_LAYER}")  # inputs that place an unnamed node
 LAYER_OUTPUT = re.compile(rf"^/?model[./]layers\.(\d+)[./]|{KV_LAYER}")
 ROLE_BY_NAME = {"input_ids": "ids", "attention_mask": "mask", "position_ids": "positions", "logits": "logits"}
-KV_NAME = re.compile(r"^(past_key|past_value|present_key|present_value)\.\d+$")
+KV_NAME = re.compile(r"^(past_key|past_value|present_key|present_value|cache_key|cache_value)\.\d+$")
 COLOURS = {  # fill colour by I/O role; the legend in the picture's title says which is which
     "ids": "#dbeafe", "mask": "#dbeafe", "positions": "#dbeafe",
     "past_key": "#fed7aa", "past_value": "#fed7aa", "present_key": "#fb923c", "present_value": "#fb923c",
+    "cache_key": "#fed7aa", "cache_value": "#fed7aa",  # the past buffer itself, shared (ONNX Runtime decode)
     "scale": "#fde047", "logits": "#bbf7d0", "state": "#e9d5ff",
 }
 LEGEND = ("ids / mask / positions: blue · past KV (in): light orange · present KV (out): orange · "

@@ -14,6 +14,10 @@ ROLE_LOGITS, ROLE_PRESENT_KEY, ROLE_PRESENT_VALUE = "logits", "present_key", "pr
 ROLE_CONV_STATE, ROLE_RECURRENT_STATE = "conv_state", "recurrent_state"
 ROLE_PRESENT_CONV_STATE, ROLE_PRESENT_RECURRENT_STATE = "present_conv_state", "present_recurrent_state"
 ROLE_SCALE = "scale"  # a quantisation scale fed as an input (`scales: inputs`), values in scales.safetensors
+# ONNX Runtime decode graphs (fuse_attention): the attention kernel's whole cache out, [B, H, P, D]. The runtime
+# binds it to the same buffer as the past input, so the kernel reads the cache in place and writes only the
+# new token's slot; the new K/V still come out as present_key/value and the runtime still owns the slots.
+ROLE_CACHE_KEY, ROLE_CACHE_VALUE = "cache_key", "cache_value"
 
 
 @dataclasses.dataclass(frozen=True)

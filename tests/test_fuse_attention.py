@@ -111,10 +111,54 @@ def test_fused_graph_computes_what_the_portable_graph_computes(outs, name: str, 
                                      providers=["CPUExecutionProvider"]) for fused in (True, False)]
     feeds = hard_feeds(sessions[1], np.random.default_rng(0))
     got, want = (dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds), strict=True)) for s in sessions)
-    assert got.keys() == want.keys()
+    # A decode graph also returns the kernel's whole cache (cache_key/value.i), for the runtime to share.
+    extra = {k for k in got if k.startswith("cache_")}
+    assert got.keys() - extra == want.keys()
+    assert extra == ({k.replace("present_", "cache_") for k in want if k.startswith("present_")} if kind == "decode"
+                     else set())
     assert np.isfinite(got["logits"]).all()
     for key in want:
         assert np.abs(got[key] - want[key]).max() <= 2e-5, key
+
+
+@pytest.mark.parametrize(("name", "batch"), CASES)
+def test_decode_reads_the_shared_cache_in_place(outs, name: str, batch: int) -> None:
+    """As the runtime runs it: each `cache_*.i` output bound to its past input's own buffer. Outputs
+    equal the portable graph's on the hard masks, and the kernel wrote each row's new K/V into its
+    cache at one slot only — one past the row's last visible slot — and nowhere else."""
+    out = outs[name, batch, True]
+    manifest = json.loads((out / "manifest.json").read_text())
+    spec = manifest["graphs"]["decode"]
+    roles = {io["name"]: io["role"] for io in spec["outputs"]}
+    layers = manifest["dims"]["layers"]
+    assert sorted(n for n, r in roles.items() if r in ("cache_key", "cache_value")) == sorted(
+        f"cache_{kv}.{i}" for kv in ("key", "value") for i in range(layers))
+    fused, portable = (ort.InferenceSession(str(outs[name, batch, f] / "model.decode.onnx"),
+                                            providers=["CPUExecutionProvider"]) for f in (True, False))
+    feeds = hard_feeds(portable, np.random.default_rng(1))
+    want = dict(zip([o.name for o in portable.get_outputs()], portable.run(None, feeds), strict=True))
+    buffers = {k: v.copy() for k, v in feeds.items()}
+    binding, keep, got = fused.io_binding(), [], {}
+    for i in fused.get_inputs():
+        keep.append(ort.OrtValue.ortvalue_from_numpy(buffers[i.name]))
+        binding.bind_ortvalue_input(i.name, keep[-1])
+    for o in fused.get_outputs():
+        target = buffers[o.name.replace("cache_", "past_")] if o.name.startswith("cache_") else got.setdefault(
+            o.name, np.zeros(o.shape, np.float32))
+        keep.append(ort.OrtValue.ortvalue_from_numpy(target))
+        binding.bind_ortvalue_output(o.name, keep[-1])
+    fused.run_with_iobinding(binding)
+    for key in want:
+        assert np.abs(got[key] - want[key]).max() <= 2e-5, key
+    visible = feeds["attention_mask"][:, 0, 0, :-1] > np.finfo(np.float32).min / 2  # [B, P]: cache slots
+    for layer in range(layers):
+        for kv in ("key", "value"):
+            before, after = feeds[f"past_{kv}.{layer}"], buffers[f"past_{kv}.{layer}"]
+            for b in range(batch):
+                slot = int(np.flatnonzero(visible[b]).max()) + 1
+                changed = np.flatnonzero(np.abs(after[b] - before[b]).max(axis=(0, 2)))
+                assert changed.tolist() == [slot], (layer, kv, b, changed)
+                assert np.array_equal(after[b, :, slot], got[f"present_{kv}.{layer}"][b, :, 0])
 
 
 def test_fused_prefill_with_gears_computes_what_the_portable_graph_computes(tmp_path: Path) -> None:
@@ -139,4 +183,5 @@ def test_manifest_reports_the_fused_layers(outs) -> None:
     manifest = json.loads((outs["tiny-qwen3", 1, True] / "manifest.json").read_text())
     stats = next(s for s in manifest["stages"] if s["pass"] == "fuse_attention")["stats"]
     layers = manifest["dims"]["layers"]
-    assert stats == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers}
+    assert stats == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers,
+                     "shared_cache_layers": layers}  # the decode graph's

@@ -48,6 +48,8 @@ class BackendError(RuntimeInputError):
 
 
 PAST_ROLES, PRESENT_ROLES = ("past_key", "past_value"), ("present_key", "present_value")
+# ONNX Runtime decode graphs: the attention kernel's whole cache, bound to the past input's own buffer.
+CACHE_ROLES = ("cache_key", "cache_value")
 # Hybrids' linear-attention layers: whole states in, whole updated states out, copied back per row.
 STATE_ROLES = ("conv_state", "recurrent_state")
 PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
@@ -58,6 +60,15 @@ def cache_targets(spec: dict) -> list[tuple[dict, str]]:
     past = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in PAST_ROLES}
     return [(io, past[(io["role"].replace("present_", "past_"), io.get("layer"))])
             for io in spec["outputs"] if io["role"] in PRESENT_ROLES]
+
+
+def shared_caches(spec: dict) -> dict[str, str]:
+    """Each cache output (`cache_key/value.{i}`) → the past input whose buffer it is bound to: ONNX Runtime's
+    attention kernel then sees one buffer as past and present, reads it in place and writes only the new
+    token's slot (the slot the runtime writes too, from the present output, after the call)."""
+    past = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in PAST_ROLES}
+    return {io["name"]: past[(io["role"].replace("cache_", "past_"), io.get("layer"))]
+            for io in spec["outputs"] if io["role"] in CACHE_ROLES}
 
 
 def state_targets(spec: dict) -> list[tuple[dict, str]]:
@@ -223,9 +234,10 @@ class _Graph:
                     "or --backend acl on the Ascend host") from None
             raise
         self._keep: list[ort.OrtValue] = []
+        shared = shared_caches(spec)
         # Every buffer but the caches is one allocation of the largest call, viewed at each gear's shape.
         flat = {io["name"]: np.zeros(int(np.prod(io["shape"])), dtype=io["dtype"])
-                for io in spec["inputs"] + spec["outputs"] if io["name"] not in caches}
+                for io in spec["inputs"] + spec["outputs"] if io["name"] not in caches and io["name"] not in shared}
         inputs = {io["name"] for io in spec["inputs"]}
         self.views: dict[int, dict[str, np.ndarray]] = {}
         self.bindings: dict[int, ort.IOBinding] = {}
@@ -233,7 +245,8 @@ class _Graph:
             binding, views = self.session.io_binding(), {}
             for io in spec["inputs"] + spec["outputs"]:
                 name, shape = io["name"], shape_at(io, t, self.tokens)
-                buf = caches[name] if name in caches else flat[name][:int(np.prod(shape))].reshape(shape)
+                cache = shared.get(name, name)
+                buf = caches[cache] if cache in caches else flat[name][:int(np.prod(shape))].reshape(shape)
                 value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory: no copies per call
                 self._keep.append(value)
                 views[name] = buf
