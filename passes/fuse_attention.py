@@ -30,6 +30,7 @@ without these kernels (Ascend) leave the pass out.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import ClassVar
 
@@ -40,11 +41,16 @@ from qwen2om.passes.fuse_moe import boundary, constant, regions
 from qwen2om.passes.lower_fp8 import const
 from qwen2om.passes.lower_int4 import MS_DOMAIN
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
-from qwen2om.signature import ROLE_CACHE_KEY, ROLE_CACHE_VALUE, IOSpec
+from qwen2om.signature import ROLE_CACHE_KEY, ROLE_CACHE_VALUE
 
 SCOPE = re.compile(r"^/model/layers\.(\d+)/self_attn/cache_attention/")
 ROTARY = re.compile(r"^/model/layers\.(\d+)/self_attn/rotary/")
 LENGTHS = "/model/attention_lengths"
+
+
+def cache_name(past: str) -> str:
+    """`past_key.{i}` → `cache_key.{i}`: the shared-cache output bound to that input's buffer."""
+    return past.replace("past_", "cache_", 1)
 
 
 def node(graph: ir.Graph, before: ir.Node, op: str, inputs: list[ir.Value | None], name: str,
@@ -225,12 +231,11 @@ class FuseAttention:
                     lengths = Lengths(graph, mask, first, p, t)
                 share = self.share_cache and t == 1
                 self.fuse(graph, layer, nodes, roles, lengths, dims, share=share)
-                if share:
+                if share:  # the signature lists the cache outputs as the past inputs, renamed
                     inputs, outputs = ws["signatures"][kind]
-                    past = {s.name: s for s in inputs}
-                    outputs += [IOSpec(v.name, past[v.name.replace("cache_", "past_")].dtype,
-                                       past[v.name.replace("cache_", "past_")].shape, role, layer)
-                                for v, role in zip(graph.outputs[-2:], (ROLE_CACHE_KEY, ROLE_CACHE_VALUE), strict=True)]
+                    spec = {s.name: s for s in inputs}
+                    outputs += [dataclasses.replace(spec[roles[r].name], name=cache_name(roles[r].name), role=role)
+                                for r, role in (("past_k", ROLE_CACHE_KEY), ("past_v", ROLE_CACHE_VALUE))]
                     shared += 1
                 for n in reversed(constants):
                     if not any(v.uses() or v.is_graph_output() for v in n.outputs):
@@ -367,7 +372,7 @@ class FuseAttention:
 
         if share:  # the whole cache, read in place once the runtime binds cache_* to the past buffers
             past_k, past_v = roles["past_k"], roles["past_v"]
-            present_names = [past_k.name.replace("past_", "cache_"), past_v.name.replace("past_", "cache_")]  # type: ignore[union-attr]
+            present_names = [cache_name(past_k.name), cache_name(past_v.name)]  # type: ignore[arg-type]
             present_shape = past_k.shape
         else:
             past_k, past_v = filled(roles["past_k"], "past_k_filled"), filled(roles["past_v"], "past_v_filled")
@@ -380,7 +385,8 @@ class FuseAttention:
                       [ir.AttrInt64("num_heads", heads), ir.AttrInt64("kv_num_heads", kv_heads),
                        ir.AttrFloat32("scale", dims.head_dim ** -0.5)],  # type: ignore[attr-defined]
                       # Without the present outputs ONNX Runtime 1.32's CPU kernel ignores the cache
-                      # (measured): they are produced and left unused.
+                      # (measured): sliced, they are produced and left unused; shared, they are the
+                      # graph's cache_* outputs.
                       outputs=[ir.Value(name=f"{old.name}_gqa", shape=old.shape, type=old.type),
                                *(ir.Value(name=n, type=past_k.type, shape=ir.Shape(present_shape))  # type: ignore[arg-type]
                                  for n in present_names)],
