@@ -120,7 +120,10 @@ def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int 
 
 def agreement(model: str, reference: str, dataset: str, *, window: int = 256, max_windows: int = 16,
               progress: Callable[[int, int], None] = lambda d, t: None) -> AgreeReport:
+    from qwen2om.verify import check_same_vocabulary
+
     a, b = Scorer(model), Scorer(reference)
+    check_same_vocabulary(a.path, b.path, (model, reference))
     data = windows(dataset, b.tokenizer_dir, num_samples=max_windows, seq_len=window)
     agree = kl = nll_a = nll_b = 0.0
     count = 0

@@ -9,16 +9,18 @@ reference's greedy token.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from qwen2om.arch import text_config
 from qwen2om.builtin import resolve_model
 from qwen2om.errors import Qwen2omError
 from qwen2om.kernels.ascend import cpu_engine
-from qwen2om.output import read_manifest
+from qwen2om.output import MANIFEST, read_manifest
 from qwen2om.runtime.standalone import Engine
 
 DEFAULT_PROMPTS = (
@@ -141,6 +143,26 @@ def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
     return model.eval()
 
 
+def vocab_size(path: Path) -> int:
+    """The logits' width of an output directory (its manifest) or a checkpoint (its config.json)."""
+    if (path / MANIFEST).is_file():
+        return int(read_manifest(path)["runtime"]["vocab"])
+    try:
+        return int(text_config(json.loads((path / "config.json").read_text(encoding="utf-8")))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Qwen2omError(f"{path / 'config.json'}: cannot read vocab_size ({e})") from None
+
+
+def check_same_vocabulary(model: Path, reference: Path, names: tuple[str, str] | None = None) -> None:
+    """Logits are compared token by token, so both sides must share the vocabulary: a model checked
+    against another family's checkpoint would fail deep inside a Gather or a broadcast."""
+    a, b = vocab_size(model), vocab_size(reference)
+    if a != b:
+        shown, ref = names or (model, reference)  # as the user wrote them (builtin:NAME, not its cache path)
+        raise Qwen2omError(f"{shown} has a {a:,}-token vocabulary but the reference {ref} has {b:,}: "
+                           "compare a model with the checkpoint it was converted or calibrated from")
+
+
 FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
@@ -174,6 +196,7 @@ def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
+    check_same_vocabulary(out, ref_dir, (str(out), str(reference)))
     model = load_reference(ref_dir, loader)
     chunk = max(s["tokens"] for s in manifest["graphs"].values())
     long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None

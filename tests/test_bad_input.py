@@ -148,6 +148,25 @@ def test_verify_with_a_missing_reference(converted, cli, tmp_path) -> None:
     assert code == 2 and "nope" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", [("verify",), ("eval", "agree")])
+def test_a_reference_with_another_vocabulary_is_named(converted, cli, command) -> None:
+    # tiny-qwen3 has Qwen's 151,936-token vocabulary, tiny-qwen3-trained its own 3,072 tokens: this
+    # was a numpy broadcast traceback (verify) and an ONNX Runtime Gather error (eval agree).
+    extra = ("--dataset", "builtin:prose") if command[0] == "eval" else ()
+    code, _, err = cli(*command, converted("tiny-qwen3", "fp32"), "--reference", "builtin:tiny-qwen3-trained", *extra)
+    assert code == 2 and "Traceback" not in err
+    assert "151,936-token vocabulary" in err and "builtin:tiny-qwen3-trained has 3,072" in err
+
+
+def test_a_decode_step_names_a_token_outside_the_vocabulary(converted) -> None:
+    from qwen2om.runtime.standalone import Engine, RuntimeInputError
+
+    engine = Engine(converted("tiny-qwen3", "fp32"))
+    engine.prefill([[1, 2, 3]] * engine.batch)
+    with pytest.raises(RuntimeInputError, match=r"outside the vocabulary \[0, 151936\): \[151936\]"):
+        engine.step([engine.vocab] * engine.batch)
+
+
 def test_bad_pass_argument_fails_before_any_work(cli, tmp_path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("family: qwen3\nmax_seq_len: 64\npipeline: [load_checkpoint, static_model, export_onnx, "

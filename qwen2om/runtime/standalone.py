@@ -704,6 +704,7 @@ class Engine:
 
     def step(self, tokens: list[int]) -> np.ndarray:
         """One decode step: one token per row; returns logits [B, V]."""
+        self.check_ids(tokens)
         return self._call("decode", [[t] for t in tokens])[:, -1].copy()
 
     def check_ids(self, ids: Sequence[int]) -> None:
