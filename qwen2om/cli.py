@@ -544,6 +544,10 @@ WindowsOpt = Annotated[int, typer.Option(help="windows scored")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 
 
+def windows_of(count: int, window: int) -> str:
+    return f"{count} window{'s' if count != 1 else ''} of {window}"
+
+
 @eval_app.command("ppl")
 def eval_ppl(
     model: Annotated[str, typer.Argument(help="checkpoint directory, builtin:NAME, or qwen2om output directory")],
@@ -555,11 +559,11 @@ def eval_ppl(
 
     with progress_bar(not as_json) as progress:
         r = perplexity(model, dataset, window=window, max_windows=max_windows,
-                       progress=lambda d, t: progress("windows", d, t))
+                       progress=lambda d, t: progress("windows", d, t), log=note)
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
-    out_console.print(f"perplexity {r.ppl:.3f} on {r.tokens} tokens ({r.windows} windows of {r.window}, "
+    out_console.print(f"perplexity {r.ppl:.3f} on {r.tokens} tokens ({windows_of(r.windows, r.window)}, "
                       f"no overlap) of {r.dataset}")
 
 
@@ -575,13 +579,13 @@ def eval_agree(
 
     with progress_bar(not as_json) as progress:
         r = agreement(model, reference, dataset, window=window, max_windows=max_windows,
-                      progress=lambda d, t: progress("windows", d, t))
+                      progress=lambda d, t: progress("windows", d, t), log=note)
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
     out_console.print(f"top-1 agreement {r.top1_agreement:.2%}, mean KL {r.mean_kl:.4f} nats, perplexity "
                       f"{r.ppl:.3f} vs {r.reference_ppl:.3f} (reference) on {r.tokens} tokens "
-                      f"({r.windows} windows of {r.window}) of {r.dataset}")
+                      f"({windows_of(r.windows, r.window)}) of {r.dataset}")
 
 
 @app.command()

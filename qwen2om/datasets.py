@@ -219,8 +219,8 @@ def windows(spec: str, model_dir: Path, *, num_samples: int, seq_len: int) -> Wi
     out = Windows([stream[i * seq_len:(i + 1) * seq_len] for i in range(min(n, num_samples))], source, used,
                   len(stream), h.hexdigest())
     if n < num_samples:
-        out.notes.append(f"{source} gives {len(stream)} tokens: {n} samples of {seq_len} tokens, "
-                         f"not the {num_samples} asked for")
+        out.notes.append(f"{source} gives {len(stream)} tokens: {n} sample{'s' if n != 1 else ''} of {seq_len} "
+                         f"tokens, not the {num_samples} asked for")
     if not out.samples:
         raise DatasetError(f"{source}: {len(stream)} tokens is less than one sample of {seq_len}; "
                            "lower --seq-len or add text")

@@ -55,6 +55,17 @@ class Scorer:
     def tokenizer_dir(self) -> Path:
         return self.path
 
+    def window_note(self, name: str, window: int) -> list[str]:
+        """A window longer than a checkpoint's trained positions scores RoPE extrapolation, not the model
+        (an output directory refuses one longer than its cache instead)."""
+        if self.model is None:
+            return []
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is None or window <= limit:
+            return []
+        return [f"{name}: a window of {window} tokens exceeds its max_position_embeddings {limit}; positions past "
+                "it are extrapolated, so lower --window to measure the model as configured"]
+
     def __call__(self, ids: list[int]) -> np.ndarray:
         if self.model is not None:
             import torch
@@ -80,6 +91,7 @@ class PplReport:
     windows: int
     tokens: int
     ppl: float
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,6 +109,7 @@ class AgreeReport:
     mean_kl: float
     ppl: float
     reference_ppl: float
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,24 +120,32 @@ def nll(logp: np.ndarray, ids: list[int]) -> float:
 
 
 def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int = 16,
-               progress: Callable[[int, int], None] = lambda d, t: None) -> PplReport:
+               progress: Callable[[int, int], None] = lambda d, t: None,
+               log: Callable[[str], None] = lambda m: None) -> PplReport:
     scorer = Scorer(model)
     data = windows(dataset, scorer.tokenizer_dir, num_samples=max_windows, seq_len=window)
+    notes = [*data.notes, *scorer.window_note(model, window)]
+    for n in notes:
+        log(n)
     total, count = 0.0, 0
     for i, ids in enumerate(data.samples):
         total += nll(scorer(ids), ids)
         count += len(ids) - 1
         progress(i + 1, len(data.samples))
-    return PplReport(model, dataset, window, len(data.samples), count, math.exp(total / count))
+    return PplReport(model, dataset, window, len(data.samples), count, math.exp(total / count), notes)
 
 
 def agreement(model: str, reference: str, dataset: str, *, window: int = 256, max_windows: int = 16,
-              progress: Callable[[int, int], None] = lambda d, t: None) -> AgreeReport:
+              progress: Callable[[int, int], None] = lambda d, t: None,
+              log: Callable[[str], None] = lambda m: None) -> AgreeReport:
     from qwen2om.verify import check_same_vocabulary
 
     a, b = Scorer(model), Scorer(reference)
     check_same_vocabulary(a.path, b.path, (model, reference))
     data = windows(dataset, b.tokenizer_dir, num_samples=max_windows, seq_len=window)
+    notes = [*data.notes, *a.window_note(model, window), *b.window_note(reference, window)]
+    for n in notes:
+        log(n)
     agree = kl = nll_a = nll_b = 0.0
     count = 0
     for i, ids in enumerate(data.samples):
@@ -136,4 +157,4 @@ def agreement(model: str, reference: str, dataset: str, *, window: int = 256, ma
         count += len(ids) - 1
         progress(i + 1, len(data.samples))
     return AgreeReport(model, reference, dataset, window, len(data.samples), count, agree / count, kl / count,
-                       math.exp(nll_a / count), math.exp(nll_b / count))
+                       math.exp(nll_a / count), math.exp(nll_b / count), notes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from qwen2om.evaluate import agreement, perplexity
@@ -26,3 +27,20 @@ def test_a_model_agrees_with_itself_and_not_with_another(converted) -> None:
 def test_eval_cli_names_a_bad_path(cli, tmp_path) -> None:
     code, _, err = cli("eval", "ppl", tmp_path)
     assert code == 2 and "neither a qwen2om output directory nor a checkpoint directory" in err
+
+
+def test_eval_notes_a_short_dataset_and_a_window_past_the_trained_positions(cli, tmp_path) -> None:
+    # tiny-qwen3-trained was trained with max_position_embeddings 1024; the text gives one 1100-token window.
+    from qwen2om.fixtures.trained import heldout_text
+
+    text = tmp_path / "held.txt"
+    text.write_text(heldout_text(), encoding="utf-8")
+    code, out, err = cli("eval", "ppl", "builtin:tiny-qwen3-trained", "--dataset", text, "--window", "1100",
+                         "--max-windows", "50")
+    assert code == 0, err
+    assert "sample of 1100 tokens, not the 50 asked for" not in err  # several windows fit: plural
+    assert "samples of 1100 tokens, not the 50 asked for" in err
+    assert "a window of 1100 tokens exceeds its max_position_embeddings 1024" in err
+    code, out, err = cli("eval", "ppl", "builtin:tiny-qwen3-trained", "--dataset", text, "--window", "64",
+                         "--max-windows", "2", "--json")
+    assert code == 0 and json.loads(out)["notes"] == [] and "note:" not in err
