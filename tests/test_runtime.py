@@ -92,6 +92,20 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert picks == {0, 1}
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--temperature", "-1", "temperature -1.0 must be >= 0"), ("--top-k", "-3", "top-k -3 must be >= 0"),
+    ("--top-p", "-0.1", "top-p -0.1 must be in [0, 1]"), ("--top-p", "1.5", "top-p 1.5 must be in [0, 1]"),
+    ("--max-new-tokens", "-2", "--max-new-tokens -2 must be >= 0")])
+def test_run_refuses_sampling_settings_that_mean_nothing(engine: Engine, capsys, option, value, message) -> None:
+    from qwen2om.runtime.standalone import main
+
+    try:
+        code = main(["--prompt", "hi", option, value], model_dir=engine.dir)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_generation_stops_at_eos(engine: Engine) -> None:
     ids = engine.encode("stop")
     greedy_first = engine.generate(ids, max_new_tokens=1, sampling=Sampling(0.0))[0][0]

@@ -125,6 +125,13 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # Each of these used to sample something: a negative temperature inverts the distribution.
+        if not self.temperature >= 0:
+            raise RuntimeInputError(f"temperature {self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise RuntimeInputError(f"top-k {self.top_k} must be >= 0 (0: no top-k cut)")
+        if not 0 <= self.top_p <= 1:  # 0 keeps only the most likely token
+            raise RuntimeInputError(f"top-p {self.top_p} must be in [0, 1] (1: no nucleus cut)")
         self.rng = np.random.default_rng(self.seed)
 
     def pick(self, logits: np.ndarray) -> int:
@@ -799,12 +806,14 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
                        help="the output directory (default: the folder holding this script)")
     add_generation_args(p)
     a = p.parse_args(argv)
+    if a.max_new_tokens < 0:
+        p.error(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
     engine = None
     try:
+        sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)  # before a slow load
         engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device)
         ids = [int(x) for x in a.ids.split(",")] if a.ids else engine.encode(a.prompt, chat=a.chat, system=a.system)
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
-        sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
         out, stats = engine.generate(ids, max_new_tokens=a.max_new_tokens, sampling=sampling,
                                      on_token=(lambda t: None) if a.json else stream,
