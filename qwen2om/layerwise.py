@@ -112,8 +112,9 @@ class LayerRunner:
         store = ActivationStore(self.budget, self.spill_dir)
         name = "model.embed_tokens.weight"
         for i, ids in enumerate(samples):
-            rows = [self.ckpt.get(name, self.dtype, rows=(t, t + 1)) for t in ids]
-            store.put(i, torch.cat(rows)[None].numpy())
+            unique, where = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)  # each row read once
+            rows = torch.cat([self.ckpt.get(name, self.dtype, rows=(int(t), int(t) + 1)) for t in unique])
+            store.put(i, rows[torch.from_numpy(where.reshape(-1))][None].numpy())
         return store
 
     def layer(self, index: int) -> DecoderLayer | HybridLayer:

@@ -246,11 +246,12 @@ def test_nan_weight_names_the_tensor_and_writes_nothing(checkpoint, tmp_path, cl
 
 
 def test_non_finite_layer_output_names_the_layer(checkpoint, tmp_path, cli) -> None:
-    """A finite but huge norm weight overflows the layer's output: the error names the layer."""
+    """A finite but huge norm weight overflows the MLP's input: the error names the layer and the linear
+    (the collecting pass stops before the layer's output, so the first linear to see Inf is named)."""
     src = _poisoned(checkpoint, tmp_path, "model.layers.1.post_attention_layernorm.weight", 3e38)
     code, _, err = cli("calibrate", src, "-o", tmp_path / "out", "--group-size", "32", "--num-samples", "2",
                        "--seq-len", "32")
-    assert code == 2 and "layer 1: its output on calibration sample 0 is not finite" in err
+    assert code == 2 and "layer 1: the input of mlp.gate_proj on calibration sample 0 is not finite" in err
     assert not (tmp_path / "out").exists()
 
 

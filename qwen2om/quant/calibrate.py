@@ -151,6 +151,10 @@ def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, sp
     return out
 
 
+class _Collected(Exception):
+    """Raised by the last collecting hook: the rest of the layer's forward is not needed."""
+
+
 class Calibrator:
     def __init__(self, ckpt: Checkpoint, cfg: CalibrationConfig, writer: ShardWriter,
                  progress: Callable[..., None], log: Callable[[str], None]) -> None:
@@ -278,7 +282,9 @@ class Calibrator:
         try:
             for i in range(d.layers):
                 t0 = time.perf_counter()
-                store, changed = self.calibrate_layer(runner, i, store, [n for n in per_layer[i] if n in targets])
+                outputs = i + 1 < d.layers or LM_HEAD in targets  # the last layer's feed only the head's GPTQ
+                store, changed = self.calibrate_layer(runner, i, store, [n for n in per_layer[i] if n in targets],
+                                                      outputs)
                 self.copy([n for n in per_layer[i] if n not in targets and n not in changed])
                 self.layer_seconds.append(time.perf_counter() - t0)
                 self.progress("calibrating layers", i + 1, d.layers)
@@ -288,9 +294,10 @@ class Calibrator:
             store.close()
 
     def calibrate_layer(self, runner: LayerRunner, index: int, store: ActivationStore,
-                        names: list[str]) -> tuple[ActivationStore, list[str]]:
+                        names: list[str], outputs: bool = True) -> tuple[ActivationStore, list[str]]:
         """Quantise layer `index`'s linears `names` from its inputs in `store`; returns the next layer's
-        inputs (computed by the quantised layer) and the float tensors AWQ changed, already written."""
+        inputs (computed by the quantised layer; none without `outputs`) and the float tensors AWQ
+        changed, already written."""
         layer = runner.layer(index)
         prefix = f"model.layers.{index}."
         experts = [n for n in names if EXPERT.match(n)]
@@ -315,7 +322,7 @@ class Calibrator:
             linears[n].weight.data = w_hat.T.contiguous().to(linears[n].weight.dtype)
         out = ActivationStore(self.cfg.activation_budget)
         with torch.no_grad():
-            for ids, x in self.batches(store):
+            for ids, x in self.batches(store) if outputs else ():
                 y = runner.forward(layer, x).numpy()
                 for j, i in enumerate(ids):
                     out.put(i, y[j:j + 1])
@@ -343,15 +350,36 @@ class Calibrator:
         x_abs = {n: torch.zeros(m.weight.shape[0]) for n, m in linears.items()}
         seen = dict.fromkeys(linears, 0)
 
+        # q/k/v (and gate/up) are called with the same input tensor: its xᵀx is computed once.
+        last: list[Any] = [None, None]
+        batch: list[int] = []  # the sample ids in the current forward
+        fired: set[str] = set()
+        # A dense layer's forward stops once every linear has seen its input: the rest (down_proj's
+        # product, the residual) feeds nothing collected, and is a fifth of the pass.
+        stop_early = experts is None and bool(linears)
+
         def hook(name: str) -> Callable[..., None]:
             def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                total = seen[name] + x.shape[0]
-                hess[name] *= seen[name] / total
-                hess[name] += (2 / total) * x.T @ x
-                x_abs[name] = x_abs[name] * (seen[name] / total) + x.abs().sum(0) / total
+                if last[0] is not args[0]:
+                    short = name.removeprefix(f"model.layers.{index}.").removesuffix(".weight")
+                    finite_or_raise(args[0], f"the input of {short}")
+                    x = args[0].reshape(-1, args[0].shape[-1]).float()
+                    last[0], last[1] = args[0], (x.T @ x, x.abs().sum(0), x.shape[0])
+                xtx, abs_sum, rows = last[1]
+                total = seen[name] + rows
+                hess[name].mul_(seen[name] / total).add_(xtx, alpha=2 / total)
+                x_abs[name].mul_(seen[name] / total).add_(abs_sum, alpha=1 / total)
                 seen[name] = total
+                fired.add(name)
+                if stop_early and len(fired) == len(linears):
+                    raise _Collected
             return accumulate
+
+        def finite_or_raise(y: torch.Tensor, what: str) -> None:
+            if not torch.isfinite(y).all():
+                bad = next(i for j, i in enumerate(batch) if not torch.isfinite(y[j]).all())
+                raise CalibrationError(f"layer {index}: {what} on calibration sample {bad} is not finite (NaN/Inf); "
+                                       "nothing was written")
 
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
         if experts is not None:
@@ -359,11 +387,12 @@ class Calibrator:
         try:
             with torch.no_grad():
                 for ids, x in self.batches(store):
-                    y = runner.forward(layer, x)
-                    if not torch.isfinite(y).all():
-                        bad = next(i for j, i in enumerate(ids) if not torch.isfinite(y[j]).all())
-                        raise CalibrationError(f"layer {index}: its output on calibration sample {bad} is not "
-                                               "finite (NaN/Inf); nothing was written")
+                    batch[:], last[:] = ids, [None, None]
+                    fired.clear()
+                    try:
+                        finite_or_raise(runner.forward(layer, x), "its output")
+                    except _Collected:
+                        pass
         finally:
             for h in handles:
                 h.remove()
