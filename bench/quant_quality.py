@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "quant")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rows", default="rtn,gptq,awq,llmc,ort,fp8",
-                    help="comma-separated subset of rtn, gptq, awq, llmc, ort, fp8")
+                    help="comma-separated subset of rtn, gptq, awq, llmc, ort, fp8, and gptq-bf16 (qwen2om GPTQ with "
+                         "--compute-dtype bfloat16)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="calibrate qwen2om's methods and llm-compressor this many times, in alternating rounds, "
                          "and report the median time (the 2-core VM's timings vary ±30 %% between runs)")
@@ -119,17 +120,19 @@ def main(argv: list[str] | None = None) -> int:
               str(args.num_samples), "--seq-len", str(args.seq_len), "--force"]
     rows: list[dict[str, Any]] = []
     float_out = work / "float-onnx"
-    run([*qwen2om, "convert", str(src), "-o", str(float_out), "--force", "--set", "max_seq_len=512",
-         "--set", "prefill_chunk=64"])
+    if "ort" in wanted:  # ONNX Runtime's quantizer works on the float graphs
+        run([*qwen2om, "convert", str(src), "-o", str(float_out), "--force", "--set", "max_seq_len=512",
+             "--set", "prefill_chunk=64"])
     # Each tool's calibration, as (seconds as the tool reports it, wall seconds of its process).
     jobs: dict[str, tuple[Path, Callable[[], tuple[float, float]]]] = {}
-    for method in [m for m in ("rtn", "gptq", "awq") if m in wanted]:
-        out = work / f"qwen2om-{method}"
+    for row in [m for m in ("rtn", "gptq", "awq", "gptq-bf16") if m in wanted]:
+        out, method = work / f"qwen2om-{row}", row.removesuffix("-bf16")
+        extra = ["--compute-dtype", "bfloat16"] if row.endswith("-bf16") else []
 
-        def calibrate(out: Path = out, method: str = method) -> tuple[float, float]:
-            wall, _ = run([*qwen2om, "calibrate", str(src), "-o", str(out), "--method", method, *common])
+        def calibrate(out: Path = out, method: str = method, extra: list[str] = extra) -> tuple[float, float]:
+            wall, _ = run([*qwen2om, "calibrate", str(src), "-o", str(out), "--method", method, *extra, *common])
             return json.loads((out / "calibration_report.json").read_text())["seconds"], wall
-        jobs[f"qwen2om {method}"] = (out, calibrate)
+        jobs[f"qwen2om {method}" + (" (bf16 forwards)" if extra else "")] = (out, calibrate)
     if "llmc" in wanted and LLMC_PY.exists():
         out = work / "llmcompressor-gptq"
 

@@ -281,6 +281,9 @@ def calibrate(
     num_samples: Annotated[int | None, typer.Option(help="calibration samples (default 500)")] = None,
     seq_len: Annotated[int | None, typer.Option(help="tokens per sample (default 2048 or the model's limit)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="samples per forward (default 1: least memory)")] = None,
+    compute_dtype: Annotated[str | None, typer.Option(help="dtype of the layers' forward passes: float32 "
+                                                      "(default), bfloat16, float16, or auto (the checkpoint's); "
+                                                      "Hessians and quantisation stay float32")] = None,
     quantize_lm_head: Annotated[bool | None, typer.Option("--quantize-lm-head", help="also quantise lm_head")] = None,
     ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable; adds to "
                                                      "the recipe's)")] = None,
@@ -288,8 +291,9 @@ def calibrate(
                                             "convert) or ascendv1 (msModelSlim's W4A16: MindIE, vLLM-Ascend, "
                                             "convert)")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML file with any of these settings (method, group_size, "
-                                                "symmetric, dataset, num_samples, seq_len, batch_size, ignore, "
-                                                "quantize_lm_head, format, damp, actorder); flags override it")] = None,
+                                                "symmetric, dataset, num_samples, seq_len, batch_size, compute_dtype, "
+                                                "ignore, quantize_lm_head, format, damp, actorder); flags override "
+                                                "it")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
     """Quantise MODEL's linear weights to int4 (W4A16), layer by layer; norms, embeddings, RoPE and
@@ -306,7 +310,7 @@ def calibrate(
                                    "tile's largest |w| maps to e4m3fn's 448)")
     flags = {"scheme": scheme, "method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
              "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
-             "quantize_lm_head": quantize_lm_head, "fmt": fmt}
+             "compute_dtype": compute_dtype, "quantize_lm_head": quantize_lm_head, "fmt": fmt}
     cfg = calibration_config(recipe, {k: v for k, v in flags.items() if v is not None}, tuple(ignore or ()))
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)

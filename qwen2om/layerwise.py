@@ -133,7 +133,7 @@ class LayerRunner:
         for i, ids in enumerate(samples):
             unique, where = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)  # each row read once
             rows = torch.cat([self.ckpt.get(name, self.dtype, rows=(int(t), int(t) + 1)) for t in unique])
-            store.put(i, rows[torch.from_numpy(where.reshape(-1))][None].numpy())
+            store.put(i, rows[torch.from_numpy(where.reshape(-1))][None].float().numpy())
         return store
 
     def layer(self, index: int) -> DecoderLayer | HybridLayer:
@@ -156,7 +156,7 @@ class LayerRunner:
                 x = torch.from_numpy(np.array(store.get(i)))
                 if hook is not None:
                     hook(layer, LayerInputs(i, x))
-                out.put(i, self.forward(layer, x).numpy())
+                out.put(i, self.forward(layer, x).float().numpy())
                 store.drop(i)
         store.close()
         return out

@@ -30,13 +30,14 @@ def partial_dir(out: Path) -> Path:
 
 @contextlib.contextmanager
 def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
-                  log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
+                  resumable: bool = True, log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
     """A staging sibling of `out` that becomes `out` only if the block succeeds.
 
     `out` is never half-written: it appears whole, by one rename, or not at all; with --force a
     failed run leaves the previous `out` in place. The staging directory is removed when the
     input was bad (nothing there is worth keeping) and kept after an interrupt, a full disk or
-    any other failure with finished work in it, for `--resume`.
+    any other failure with finished work in it, for `--resume`; a command that cannot resume
+    (`resumable=False`: calibrate) removes it after any failure.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -50,6 +51,8 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
             f"{out} is not empty and holds no {marker}: refusing to replace it, even with --force")
     stage = partial_dir(out)
     if stage.exists() and not resume and not force:
+        if not resumable:
+            raise OutputExistsError(f"an interrupted run into {out} left {stage}: rerun with --force to start over")
         raise OutputExistsError(f"an interrupted conversion into {out} is kept in {stage}: rerun with --resume "
                                 "to continue it, or with --force to start over")
     if stage.exists() and resume:
@@ -78,7 +81,7 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
         except OSError as e:
             raise Qwen2omError(f"cannot move the finished output into place at {out}: {e.strerror or e}") from None
     except BaseException as e:
-        if isinstance(e, Qwen2omError) and not e.keep_partial:
+        if not resumable or (isinstance(e, Qwen2omError) and not e.keep_partial):
             shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)  # put the previous output back: a failed --force run changes nothing

@@ -37,7 +37,7 @@ from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.experts import EXPERT, ExpertStats, expand_names, quantize_experts, unfused_experts
-from qwen2om.quant.gptq import GPTQResult, gptq, output_error
+from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_errors
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
 from qwen2om.quantized import DESCRIPTION
@@ -74,6 +74,9 @@ class CalibrationConfig:
     damp: float = 0.01
     actorder: bool = True
     activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
+    # The layers' forward passes: float32, or bfloat16 / float16 (about twice as fast on CPUs with bf16
+    # instructions; "auto": the checkpoint's own dtype). Hessians and the quantisation stay float32.
+    compute_dtype: str = "float32"
     fmt: str = "compressed-tensors"  # or "ascendv1" (msModelSlim's W4A16, for MindIE / vLLM-Ascend)
 
 
@@ -84,6 +87,17 @@ class LinearReport:
     rtn_error: float | None
     error: float | None
     note: str = ""
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def compute_dtype(cfg: CalibrationConfig, ckpt: Checkpoint) -> torch.dtype:
+    if cfg.compute_dtype != "auto":
+        return getattr(torch, cfg.compute_dtype)
+    name = next((n for n in ckpt.names() if n.endswith("layernorm.weight")), None)
+    dtype = ckpt.info(name).dtype if name else torch.float32
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple[str, ...] = ()) -> CalibrationConfig:
@@ -110,6 +124,8 @@ def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple
         cfg = CalibrationConfig(**settings)
     except TypeError as e:
         raise CalibrationError(f"calibration settings: {e}") from None
+    if cfg.compute_dtype not in COMPUTE_DTYPES:
+        raise CalibrationError(f"compute_dtype {cfg.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     for name, kind in (("group_size", int), ("num_samples", int), ("batch_size", int)):
         value = getattr(cfg, name)
         if not isinstance(value, kind) or isinstance(value, bool) or value < 1:
@@ -247,8 +263,10 @@ class Calibrator:
         q0, s0, z0 = rtn(w, self.spec, name)
         rtn_err = self.rtn_before.pop(name, None)  # AWQ: RTN of the weight before its scaling
         if rtn_err is None:
-            rtn_err = output_error(w, dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), h)
-        self.reports.append(LinearReport(name, r.method, rtn_err, output_error(w, w_hat, h), r.note))
+            rtn_err, err = output_errors(w, h, [dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), w_hat])
+        else:
+            err = output_error(w, w_hat, h)
+        self.reports.append(LinearReport(name, r.method, rtn_err, err, r.note))
         for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype, self.cfg.fmt).items():
             self.writer.add(k, v)
         return w_hat
@@ -277,7 +295,7 @@ class Calibrator:
             if LM_HEAD in targets:
                 self.quantize_rtn(LM_HEAD)
             return
-        runner = LayerRunner(ckpt, budget=self.cfg.activation_budget)
+        runner = LayerRunner(ckpt, budget=self.cfg.activation_budget, dtype=compute_dtype(self.cfg, ckpt))
         store = runner.embed(samples)
         try:
             for i in range(d.layers):
@@ -323,7 +341,7 @@ class Calibrator:
         out = ActivationStore(self.cfg.activation_budget)
         with torch.no_grad():
             for ids, x in self.batches(store) if outputs else ():
-                y = runner.forward(layer, x).numpy()
+                y = runner.forward(layer, x).float().numpy()  # the store holds float32 whatever the compute
                 for j, i in enumerate(ids):
                     out.put(i, y[j:j + 1])
                     store.drop(i)
@@ -364,7 +382,7 @@ class Calibrator:
                     short = name.removeprefix(f"model.layers.{index}.").removesuffix(".weight")
                     finite_or_raise(args[0], f"the input of {short}")
                     x = args[0].reshape(-1, args[0].shape[-1]).float()
-                    last[0], last[1] = args[0], (x.T @ x, x.abs().sum(0), x.shape[0])
+                    last[0], last[1] = args[0], (gram(x), x.abs().sum(0), x.shape[0])
                 xtx, abs_sum, rows = last[1]
                 total = seen[name] + rows
                 hess[name].mul_(seen[name] / total).add_(xtx, alpha=2 / total)
@@ -489,7 +507,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         data = windows(cfg.dataset, source, num_samples=cfg.num_samples, seq_len=seq_len)
         for note in data.notes:
             log(note)
-    with staged_output(Path(out), force=force, marker=REPORT) as stage:
+    with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
         writer = ShardWriter(stage)
         cal = Calibrator(ckpt, cfg, writer, progress, log)
         cal.run(data.samples if data else [])
@@ -531,7 +549,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
     if cfg.fmt != "compressed-tensors":
         raise CalibrationError(f"--format {cfg.fmt}: fp8-block writes Hugging Face's fine-grained FP8 format only")
     t0 = time.perf_counter()
-    with staged_output(Path(out), force=force, marker=REPORT) as stage:
+    with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
         writer = ShardWriter(stage)
         reports, seconds, left_float = quantize_checkpoint(
             ckpt, writer, ignore=cfg.ignore, lm_head=cfg.quantize_lm_head, finite=Calibrator.finite_weight,
