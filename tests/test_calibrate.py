@@ -115,6 +115,17 @@ def test_a_bad_compute_dtype_is_refused(cli, tmp_path) -> None:
     assert code == 2 and "compute_dtype 'int8' is not one of float32, bfloat16, float16, auto" in err
 
 
+@pytest.mark.parametrize("k", [700, 2048, 2500])
+def test_blocked_gram_is_the_full_product(k: int) -> None:
+    """The Hessian's xᵀx multiplies only the blocks on and above the diagonal of wide inputs."""
+    from qwen2om.quant.gptq import GRAM_BLOCK, gram
+
+    x = torch.randn(96, k, generator=torch.Generator().manual_seed(k))
+    g = gram(x)
+    torch.testing.assert_close(g, x.T @ x, rtol=1e-5, atol=1e-4)
+    assert torch.equal(g, g.T) and (k > GRAM_BLOCK) == (k >= 2048)
+
+
 def test_awq_scales_protect_outlier_channels() -> None:
     """AWQ's scaled-and-clipped rounding beats plain rounding when a few input channels dominate."""
     from qwen2om.quant.awq import clip_quantize, search_scale
