@@ -102,6 +102,7 @@ def test_bf16_forwards_calibrate_nearly_as_well_as_float32(calibrated, tmp_path)
     calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="gptq", compute_dtype="bfloat16", **SMALL))
     bf16 = json.loads((out / "calibration_report.json").read_text())
     fp32 = json.loads((calibrated["gptq"] / "calibration_report.json").read_text())
+    assert bf16["compute_dtype"] == "bfloat16" and fp32["compute_dtype"] == "float32"
     assert bf16["mean_error"] < bf16["mean_rtn_error"] / 2
     assert bf16["mean_error"] < 1.5 * fp32["mean_error"]
     a, b = Checkpoint(out), Checkpoint(calibrated["gptq"])
