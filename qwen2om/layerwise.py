@@ -113,6 +113,9 @@ class CausalAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, t, self.width)
 
 
+NO_MASK = torch.empty(0)  # what the layers' mask argument gets here: CausalAttention never reads it
+
+
 class LayerRunner:
     """Embedding, then each decoder layer over every sample, one layer's weights at a time."""
 
@@ -181,8 +184,7 @@ class LayerRunner:
         """One sample [1, T, hidden] through `layer`, causal, from an empty cache."""
         t = x.shape[1]
         cos, sin = self._tables(t)
-        lo = torch.finfo(self.dtype).min
-        mask = torch.triu(torch.full((t, t), lo, dtype=self.dtype), 1)[None, None]
+        mask = NO_MASK  # CausalAttention is causal by construction; linear attention takes no mask
         empty = torch.zeros(1, self.d.kv_heads, 0, self.d.head_dim, dtype=self.dtype)
         if isinstance(layer, HybridLayer):
             if not layer.linear:
