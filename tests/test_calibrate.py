@@ -253,8 +253,8 @@ def test_unknown_builtin_dataset_lists_the_known_ones(checkpoint) -> None:
         windows("builtin:poetry", checkpoint("tiny-qwen3"), num_samples=1, seq_len=8)
 
 
-def _poisoned(checkpoint, tmp_path, name: str, value: float) -> Path:
-    """tiny-qwen3 with one value of tensor `name` replaced."""
+def _poisoned(checkpoint, tmp_path, name: str, value: float, everywhere: bool = False) -> Path:
+    """tiny-qwen3 with one value (or, `everywhere`, every value) of tensor `name` replaced."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -265,7 +265,7 @@ def _poisoned(checkpoint, tmp_path, name: str, value: float) -> Path:
     shard = src / index["weight_map"][name]
     tensors = load_file(shard)
     tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] = value
+    tensors[name].view(-1)[slice(None) if everywhere else 0] = value
     save_file(tensors, shard, metadata={"format": "pt"})
     return src
 
@@ -304,6 +304,17 @@ def test_non_finite_layer_output_names_the_layer(checkpoint, tmp_path, cli) -> N
                        "--seq-len", "32")
     assert code == 2 and "layer 1: the input of mlp.gate_proj on calibration sample 0 is not finite" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layer", [1, 3])
+def test_overflowing_layer_output_names_that_layer(checkpoint, tmp_path, cli, layer: int) -> None:
+    """A finite but huge down_proj overflows the layer's output. It was named as the next layer's input
+    (layer 1) or not caught at all (layer 3, the last: no output pass feeds another layer)."""
+    src = _poisoned(checkpoint, tmp_path, f"model.layers.{layer}.mlp.down_proj.weight", 3e38, everywhere=True)
+    code, _, err = cli("calibrate", src, "-o", tmp_path / "out", "--group-size", "32", "--num-samples", "2",
+                       "--seq-len", "32")
+    assert code == 2 and f"layer {layer}: its output" in err and "calibration sample 0 is not finite" in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_ascendv1_format_holds_the_same_quantisation(calibrated, tmp_path) -> None:

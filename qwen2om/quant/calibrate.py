@@ -168,6 +168,14 @@ def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, sp
     return out
 
 
+def _finite_or_raise(y: torch.Tensor, layer: int, samples: list[int], what: str) -> None:
+    """`y` holds one row per calibration sample of `samples`: a non-finite value names the layer and sample."""
+    if not torch.isfinite(y).all():
+        bad = next(i for j, i in enumerate(samples) if not torch.isfinite(y[j]).all())
+        raise CalibrationError(f"layer {layer}: {what} on calibration sample {bad} is not finite (NaN/Inf); "
+                               "nothing was written")
+
+
 class _Collected(Exception):
     """Raised by the last collecting hook: the rest of the layer's forward is not needed."""
 
@@ -328,7 +336,9 @@ class Calibrator:
         for n in names:
             self.finite(n, linears[n].weight.data)
         stats = ExpertStats(layer.mlp) if experts else None
-        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names}, stats)
+        # Without an output pass the collecting pass runs to the layer's end, so its output is checked.
+        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names}, stats,
+                                   whole=not outputs)
         if stats is not None:
             self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.quantize_hessian,
                                                    self.quantize_rtn)
@@ -342,7 +352,9 @@ class Calibrator:
         out = ActivationStore(self.cfg.activation_budget)
         with torch.no_grad():
             for ids, x in self.batches(store) if outputs else ():
-                y = runner.forward(layer, x).float().numpy()  # the store holds float32 whatever the compute
+                y = runner.forward(layer, x)
+                _finite_or_raise(y, index, ids, "its output with the quantised weights")
+                y = y.float().numpy()  # the store holds float32 whatever the compute
                 for j, i in enumerate(ids):
                     out.put(i, y[j:j + 1])
                     store.drop(i)
@@ -361,10 +373,11 @@ class Calibrator:
             yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
 
     def collect(self, runner: LayerRunner, layer: torch.nn.Module, index: int, store: ActivationStore,
-                linears: dict[str, Linear], experts: ExpertStats | None = None,
+                linears: dict[str, Linear], experts: ExpertStats | None = None, whole: bool = False,
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One pass over the samples: each linear's input Hessian mean(2xxᵀ) and mean |x| per channel
-        (and, for an MoE layer, each expert's from the tokens routed to it)."""
+        (and, for an MoE layer, each expert's from the tokens routed to it). With `whole`, every forward
+        runs to the layer's output, which must be finite."""
         hess = {n: torch.zeros(m.weight.shape[0], m.weight.shape[0]) for n, m in linears.items()}
         x_abs = {n: torch.zeros(m.weight.shape[0]) for n, m in linears.items()}
         seen = dict.fromkeys(linears, 0)
@@ -375,13 +388,13 @@ class Calibrator:
         fired: set[str] = set()
         # A dense layer's forward stops once every linear has seen its input: the rest (down_proj's
         # product, the residual) feeds nothing collected, and is a fifth of the pass.
-        stop_early = experts is None and bool(linears)
+        stop_early = experts is None and bool(linears) and not whole
 
         def hook(name: str) -> Callable[..., None]:
             def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
                 if last[0] is not args[0]:
                     short = name.removeprefix(f"model.layers.{index}.").removesuffix(".weight")
-                    finite_or_raise(args[0], f"the input of {short}")
+                    _finite_or_raise(args[0], index, batch, f"the input of {short}")
                     x = args[0].reshape(-1, args[0].shape[-1]).float()
                     last[0], last[1] = args[0], (gram(x), x.abs().sum(0), x.shape[0])
                 xtx, abs_sum, rows = last[1]
@@ -394,12 +407,6 @@ class Calibrator:
                     raise _Collected
             return accumulate
 
-        def finite_or_raise(y: torch.Tensor, what: str) -> None:
-            if not torch.isfinite(y).all():
-                bad = next(i for j, i in enumerate(batch) if not torch.isfinite(y[j]).all())
-                raise CalibrationError(f"layer {index}: {what} on calibration sample {bad} is not finite (NaN/Inf); "
-                                       "nothing was written")
-
         handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
         if experts is not None:
             handles.append(experts.moe.register_forward_pre_hook(experts.hook))
@@ -409,7 +416,7 @@ class Calibrator:
                     batch[:], last[:] = ids, [None, None]
                     fired.clear()
                     try:
-                        finite_or_raise(runner.forward(layer, x), "its output")
+                        _finite_or_raise(runner.forward(layer, x), index, ids, "its output")
                     except _Collected:
                         pass
         finally:
