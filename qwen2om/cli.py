@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import inspect as pyinspect
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -296,9 +298,11 @@ def calibrate(
                                                 "it")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
-    """Quantise MODEL's linear weights to int4 (W4A16), layer by layer; norms, embeddings, RoPE and
-    router gates always stay float. Writes a compressed-tensors checkpoint that `convert`,
-    transformers and vLLM read (or msModelSlim's layout), with calibration_report.json."""
+    """Quantise MODEL's linear weights (int4 W4A16, or FP8 blocks) into a checkpoint `convert` reads.
+
+    Layer by layer; norms, embeddings, RoPE and router gates always stay float. Writes a
+    compressed-tensors checkpoint that `convert`, transformers and vLLM read (or msModelSlim's
+    layout), with calibration_report.json."""
     from qwen2om.quant.calibrate import CalibrationError, calibration_config
     from qwen2om.quant.calibrate import calibrate as run_calibrate
 
@@ -365,9 +369,11 @@ def inspect(
     checksums: Annotated[bool, typer.Option("--checksums", help="also the sha256 of every weight (with --diff: "
                                             "compared); the only option that reads the weight data")] = False,
 ) -> None:
-    """What a conversion produced: graph inputs/outputs with roles, ops, weights by dtype, and every
-    scale input with the layer and module it feeds (or, for a checkpoint, its quantisation).
-    Graphs are read without their weights (only --checksums reads those).
+    """What a conversion (or a checkpoint) holds: inputs and outputs, ops, weights, scales.
+
+    Graph inputs/outputs with roles, ops, weights by dtype, and every scale input with the layer and
+    module it feeds (or, for a checkpoint, its quantisation). Graphs are read without their weights
+    (only --checksums reads those).
 
     With --check ascend: only the ATC legality check. With --dump-graph FILE: only the picture or text.
     With --diff: only the differences between PATH and OTHER.
@@ -621,6 +627,30 @@ def doctor(
             out_console.print(f"[red]{len(report.problems)} problem(s):[/] "
                               + "; ".join(c.name for c in report.problems))
     raise typer.Exit(report.exit_code)
+
+
+HELP_ITEM = re.compile(r"\d+ = |- ")  # lines of a list ("1 = --diff: …", "- …") keep their own line
+
+
+def unwrapped(doc: str) -> str:
+    """A docstring with each paragraph on one line, list items kept apart: typer prints the lines of a
+    command's help as they are, and rich then wraps a 100-column docstring line again at 80."""
+    paragraphs = []
+    for para in pyinspect.cleandoc(doc).split("\n\n"):
+        lines: list[str] = []
+        for line in para.splitlines():
+            if lines and not HELP_ITEM.match(line):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line.strip())
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+for _typer in (app, eval_app):
+    for _command in _typer.registered_commands:
+        if _command.help is None and _command.callback is not None and _command.callback.__doc__:
+            _command.help = unwrapped(_command.callback.__doc__)
 
 
 def main() -> None:

@@ -156,6 +156,23 @@ def test_help_documents_exit_codes(cli) -> None:
     assert "1 = --diff: PATH and OTHER differ" in text and "2 = bad input" in text
 
 
+def test_help_paragraphs_wrap_to_the_terminal(cli, monkeypatch) -> None:
+    """typer prints a docstring's lines as they are: at 80 columns a 100-column line was cut in two
+    ("Writes a" / "compressed-tensors checkpoint"); a wide terminal shows each paragraph on one line."""
+    from qwen2om.cli import unwrapped
+
+    monkeypatch.setenv("COLUMNS", "300")
+    code, stdout, _ = cli("calibrate", "--help")
+    assert code == 0
+    assert any("Layer by layer" in line and "calibration_report.json" in line for line in stdout.splitlines())
+    assert unwrapped("""First.
+
+        Second paragraph, cut
+        in two. Exit codes: 0 = fine;
+        1 = not fine
+        - an item""") == "First.\n\nSecond paragraph, cut in two. Exit codes: 0 = fine;\n1 = not fine\n- an item"
+
+
 def test_inspect_json_golden(cli, tiny: Path) -> None:
     code, stdout, err = cli("inspect", tiny, "--json")
     assert code == 0, err
