@@ -32,9 +32,11 @@ from qwen2om.errors import Qwen2omError
 from qwen2om.runtime.standalone import RuntimeInputError
 
 app = typer.Typer(
-    help="Turn Hugging Face Qwen checkpoints into static-shape ONNX models, run and verify them.\n\n"
-    "MODEL is a checkpoint directory (config.json + safetensors) or builtin:NAME "
-    "(tiny-qwen2, tiny-qwen2-untied, tiny-qwen3, tiny-qwen3-untied), built offline.",
+    help="Turn Hugging Face Qwen checkpoints into static-shape ONNX models and Ascend offline models (.om); "
+    "quantise, run, verify and evaluate them.\n\n"
+    "MODEL is a checkpoint directory (config.json + safetensors) or builtin:NAME, a tiny model built "
+    "offline (tiny-qwen2, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3-5, tiny-qwen3-next, tiny-qwen3-trained, "
+    "tiny-qwen3-fp8, …; an unknown NAME lists them all).",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 out_console = Console()

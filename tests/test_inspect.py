@@ -173,6 +173,16 @@ def test_help_paragraphs_wrap_to_the_terminal(cli, monkeypatch) -> None:
         - an item""") == "First.\n\nSecond paragraph, cut in two. Exit codes: 0 = fine;\n1 = not fine\n- an item"
 
 
+def test_top_level_help_names_real_builtins(cli) -> None:
+    import re
+
+    from qwen2om.builtin import builtin_names
+
+    code, stdout, _ = cli("--help")
+    named = set(re.findall(r"\btiny-[\w-]+", stdout))
+    assert code == 0 and len(named) >= 5 and named <= set(builtin_names()), named - set(builtin_names())
+
+
 def test_inspect_json_golden(cli, tiny: Path) -> None:
     code, stdout, err = cli("inspect", tiny, "--json")
     assert code == 0, err
