@@ -228,7 +228,9 @@ def run(
 @app.command()
 def verify(
     out: Annotated[Path, typer.Argument(help="a qwen2om output directory")],
-    reference: Annotated[str, typer.Option(help="the source checkpoint (directory or builtin:NAME)")],
+    reference: Annotated[str | None, typer.Option(help="the checkpoint to compare with (directory or "
+                                                 "builtin:NAME); default: the one OUT was converted from, "
+                                                 "as its manifest records it")] = None,
     tokens: Annotated[int, typer.Option(help="greedy tokens generated per prompt")] = 32,
     prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
                                                      "prompts, one longer than a prefill chunk)")] = None,
@@ -238,8 +240,10 @@ def verify(
                                                   "from_pretrained, as it is)")] = "exact",
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
+    from qwen2om.verify import default_reference
     from qwen2om.verify import verify as run_verify
 
+    reference = default_reference(out) if reference is None else reference
     with progress_bar() as progress:
         report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress,
                             loader=reference_loader)

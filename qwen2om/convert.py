@@ -160,7 +160,8 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
     return {
         "format_version": FORMAT_VERSION,
         "tools": tools,
-        "source": {"model": model, "path": str(source), "files": source_entries(source, ckpt, ws)},
+        # absolute, so `verify OUT` finds the checkpoint from any directory
+        "source": {"model": model, "path": str(source.absolute()), "files": source_entries(source, ckpt, ws)},
         "architecture": ckpt.arch.name,
         "dims": dataclasses.asdict(dims),
         "recipe": r.to_dict(),

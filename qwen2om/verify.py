@@ -185,13 +185,27 @@ def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.
     return tokens, torch.stack(out.logits, 1)[0].float().numpy()
 
 
-def verify(out: Path, reference: str | Path, *, tokens: int = 32, prompts: list[str] | None = None,
+def default_reference(out: Path) -> str:
+    """The checkpoint OUT was converted from, as its manifest records it: a builtin by name, a directory
+    by its absolute path (older manifests hold the path as it was typed)."""
+    source = read_manifest(out).get("source", {})
+    model, path = str(source.get("model", "")), Path(source.get("path", ""))
+    if model.startswith("builtin:"):
+        return model
+    if source.get("path") and (path / "config.json").is_file():
+        return str(path)
+    raise Qwen2omError(f"{out} was converted from {model or 'an unrecorded checkpoint'}, which is not at "
+                       f"{path} any more: pass --reference")
+
+
+def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, prompts: list[str] | None = None,
            loader: str = "exact",
            progress: Any = lambda *a: None) -> VerifyReport:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     manifest = read_manifest(out)
+    reference = default_reference(out) if reference is None else reference
     engine = cpu_engine(out)  # an Ascend-target output runs through the reference kernels
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():

@@ -148,6 +148,19 @@ def test_verify_with_a_missing_reference(converted, cli, tmp_path) -> None:
     assert code == 2 and "nope" in err and "Traceback" not in err
 
 
+def test_verify_without_reference_when_the_source_moved(converted, cli, tmp_path) -> None:
+    import json
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["source"].update(model=str(tmp_path / "ckpt"), path=str(tmp_path / "ckpt"))
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = cli("verify", out)
+    assert code == 2 and f"converted from {tmp_path / 'ckpt'}, which is not at" in err and "--reference" in err
+
+
 @pytest.mark.parametrize("command", [("verify",), ("eval", "agree")])
 def test_a_reference_with_another_vocabulary_is_named(converted, cli, command) -> None:
     # tiny-qwen3 has Qwen's 151,936-token vocabulary, tiny-qwen3-trained its own 3,072 tokens: this
