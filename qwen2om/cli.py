@@ -178,7 +178,8 @@ def convert(
               for k, g in m["graphs"].items()]
     out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']} "
                       f"· graphs: " + ", ".join(shapes))
-    out_console.print(f"next: qwen2om run {out} --prompt 'Hello' --greedy   |   python {out}/run.py --prompt 'Hello'")
+    out_console.print(f"next: qwen2om run {out} --prompt 'Hello' --greedy   |   qwen2om verify {out}   |   "
+                      f"python {out}/run.py --prompt 'Hello'")
 
 
 @app.command()
