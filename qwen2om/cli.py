@@ -411,9 +411,12 @@ def inspect(
         print(json.dumps(info, indent=2))
         return
     if info["kind"] == "checkpoint":
+        quantised = ", ".join(f"{n} {kind}" for kind, n in info["quantized"].items()) or "none"
         out_console.print(f"checkpoint {path}: {info['model_type']} ({info['architecture']}), {info['layers']} layers, "
                           f"hidden {info['hidden']}, {info['tensors']} tensors in {len(info['shards'])} shard(s); "
-                          f"quantised: {info['quantized'] or 'none'}")
+                          f"quantised weights: {quantised}")
+        if info["quantized_modules"]:
+            print_quantized_modules(info)
         for shard, sha in info.get("checksums", {}).items():
             out_console.print(f"  {shard} sha256 {sha}")
         return
@@ -454,6 +457,24 @@ def inspect(
     if info.get("scale_ranges"):
         out_console.print("scale range per layer: " + "; ".join(
             f"{r['layer']}: {r['min']:.3g}…{r['max']:.3g}" for r in info["scale_ranges"]))
+
+
+def print_quantized_modules(info: dict[str, Any]) -> None:
+    """A quantised checkpoint's weights by module (layers folded), and how it was made."""
+    qc = info.get("quantization_config") or {}
+    made = qc.get("qwen2om") or {}
+    how = " · ".join(str(v) for v in (qc.get("quant_method"), qc.get("format"), made.get("method"),
+                                      made.get("dataset")) if v)
+    table = Table(title=f"quantised weights ({how})" if how else "quantised weights")
+    for col in ("module", "scheme", "block", "count"):
+        table.add_column(col, justify="right" if col == "count" else "left")
+    for row in info["quantized_modules"]:
+        table.add_row(row["module"], row["scheme"], "×".join(map(str, row["block"])), str(row["count"]))
+    out_console.print(table)
+    ignored = qc.get("ignore") or qc.get("modules_to_not_convert")
+    if ignored:
+        out_console.print("kept float by the checkpoint's config: " + ", ".join(map(str, ignored[:8]))
+                          + (f", … ({len(ignored)} in all)" if len(ignored) > 8 else ""))
 
 
 def print_check(path: str, target: str, soc_version: str | None, as_json: bool) -> None:

@@ -63,6 +63,20 @@ def inspect_output(root: Path, checksums: bool = False) -> dict[str, Any]:
             "scale_ranges": checks.get("layers", [])}
 
 
+NUMBERED = re.compile(r"\.\d+\.")  # model.layers.3.mlp.experts.7.up_proj → model.layers.N.mlp.experts.N.up_proj
+
+
+def quantized_modules(scales: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The quantised weights grouped by module, layer and expert numbers folded: one row per
+    (module, scheme, block), in checkpoint order."""
+    rows: dict[tuple[str, str, tuple[int, ...]], int] = {}
+    for s in scales:
+        module = NUMBERED.sub(".N.", s["weight"]).removesuffix(".weight")
+        key = (module, s["scheme"], tuple(s["block"]))
+        rows[key] = rows.get(key, 0) + 1
+    return [{"module": m, "scheme": k, "block": list(b), "count": n} for (m, k, b), n in rows.items()]
+
+
 def inspect_checkpoint(root: Path, checksums: bool = False) -> dict[str, Any]:
     from qwen2om.checkpoint import Checkpoint
     from qwen2om.output import sha256_file
@@ -70,11 +84,12 @@ def inspect_checkpoint(root: Path, checksums: bool = False) -> dict[str, Any]:
     ckpt = Checkpoint(root)
     try:
         kinds = collections.Counter(q.kind for q in ckpt.quantized.values())
+        scales = [{"weight": q.name, "scale": q.scale_name, "shape": list(q.scale_shape), "scheme": q.kind,
+                   "block": list(q.block)} for q in ckpt.quantized.values()]
         return {"kind": "checkpoint", "path": str(root), "model_type": ckpt.config.get("model_type"),
                 "architecture": ckpt.arch.name, "layers": ckpt.dims.layers, "hidden": ckpt.dims.hidden,
                 "quantization_config": ckpt.config.get("quantization_config"), "quantized": dict(kinds),
-                "scales": [{"weight": q.name, "scale": q.scale_name, "shape": list(q.scale_shape),
-                            "scheme": q.kind, "block": list(q.block)} for q in ckpt.quantized.values()],
+                "scales": scales, "quantized_modules": quantized_modules(scales),
                 "shards": [str(p.relative_to(root)) for p in ckpt.shards], "tensors": len(ckpt.names()),
                 **({"checksums": {str(p.relative_to(root)): sha256_file(p) for p in ckpt.shards}}
                    if checksums else {})}

@@ -317,6 +317,21 @@ def test_overflowing_layer_output_names_that_layer(checkpoint, tmp_path, cli, la
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_inspect_lists_the_quantised_modules(calibrated, cli) -> None:
+    """`inspect CKPT` shows which modules are int4 at which group size (layers folded), and what stays float."""
+    code, stdout, err = cli("inspect", calibrated["gptq"], "--json")
+    assert code == 0, err
+    rows = {r["module"]: r for r in json.loads(stdout)["quantized_modules"]}
+    assert set(rows) == {f"model.layers.N.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                          "mlp.down_proj")}
+    assert {(r["scheme"], tuple(r["block"]), r["count"]) for r in rows.values()} == {("int4", (1, 32), 4)}
+    code, stdout, _ = cli("inspect", calibrated["gptq"])
+    text = " ".join(stdout.split())
+    assert code == 0 and "quantised weights: 28 int4" in text and "model.layers.N.mlp.down_proj │ int4 │ 1×32" in text
+    assert "kept float by the checkpoint's config: lm_head" in text
+
+
 def test_ascendv1_format_holds_the_same_quantisation(calibrated, tmp_path) -> None:
     """msModelSlim's W4A16 layout (int8 values in [-8, 7], float32 scale/offset, a description file):
     the same GPTQ run stored both ways dequantises identically, and converts to a graph that verifies."""
