@@ -621,7 +621,7 @@ def eval_agree(
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
-    out_console.print(f"top-1 agreement {r.top1_agreement:.2%}, mean KL {r.mean_kl:.4f} nats, perplexity "
+    out_console.print(f"top-1 agreement {r.top1_agreement:.2%}, mean KL {r.mean_kl:.3g} nats, perplexity "
                       f"{r.ppl:.3f} vs {r.reference_ppl:.3f} (reference) on {r.tokens} tokens "
                       f"({windows_of(r.windows, r.window)}) of {r.dataset}")
 

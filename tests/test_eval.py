@@ -24,6 +24,18 @@ def test_a_model_agrees_with_itself_and_not_with_another(converted) -> None:
     assert other.top1_agreement < 0.5 and other.mean_kl > 0.01
 
 
+def test_eval_agree_prints_a_small_kl_with_its_digits(cli, converted) -> None:
+    """fp16 against its fp32 reference: a KL of ~1e-6 nats, which four decimals printed as 0.0000."""
+    args = ("eval", "agree", converted("tiny-qwen3", "fp16"), "--reference", "builtin:tiny-qwen3",
+            "--dataset", "builtin:code", "--window", "32", "--max-windows", "2")
+    code, stdout, err = cli(*args, "--json")
+    assert code == 0, err
+    kl = json.loads(stdout)["mean_kl"]
+    code, stdout, err = cli(*args)
+    assert code == 0 and 0 < kl < 1e-3, err
+    assert math.isclose(float(stdout.split("mean KL ")[1].split()[0]), kl, rel_tol=1e-2), (stdout, kl)
+
+
 def test_eval_cli_names_a_bad_path(cli, tmp_path) -> None:
     code, _, err = cli("eval", "ppl", tmp_path)
     assert code == 2 and "neither a qwen2om output directory nor a checkpoint directory" in err
