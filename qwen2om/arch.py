@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from qwen2om.errors import CheckpointError
@@ -34,6 +35,7 @@ QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|do
                  # and the write strength of every head: kept float, like the router)
                  r"^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
 LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,3 +356,15 @@ def quantizable(arch: ArchSpec, name: str, *, ignore: tuple[str, ...] = (), lm_h
     if any(re.search(p, name) for p in (*arch.keep_float, *ignore)):
         return False
     return (lm_head and name == LM_HEAD) or any(re.search(p, name) for p in arch.quant_targets)
+
+
+def float_linears(names: Iterable[str], ndim: Callable[[str], int], quantized: Collection[str]) -> list[str]:
+    """The modules a quantised checkpoint's config must list as float: every 2-D weight left
+    unquantised (router gates, hybrids' in_proj_a / in_proj_b, what a recipe ignores) and the LM head
+    unless it is quantised. Loaders that quantise every Linear not listed (transformers, vLLM) would
+    otherwise look for packed weights there and initialise the module at random."""
+    out = {n.removesuffix(".weight") for n in names
+           if n.endswith(".weight") and n not in quantized and n != EMBED and ndim(n) == 2}
+    if LM_HEAD not in quantized:
+        out.add(LM_HEAD.removesuffix(".weight"))
+    return sorted(out)

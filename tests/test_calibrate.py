@@ -85,6 +85,32 @@ def test_transformers_decompresses_to_our_dequantisation(calibrated) -> None:
         assert torch.equal(sd[name].to(torch.bfloat16), ckpt.get(name).to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize(("model", "group", "left_float"), [
+    ("tiny-qwen3-5", 32, "model.layers.0.linear_attn.in_proj_a"),  # hybrids' decay / write-strength projections
+    ("tiny-qwen2-moe", 16, "model.layers.0.mlp.shared_expert_gate"),  # and the router, mlp.gate
+])
+def test_transformers_loads_the_linears_left_float(model, group, left_float, tmp_path) -> None:
+    """Every 2-D weight left float is in the config's `ignore`: a Linear not listed was quantised by the
+    loader, which then found no packed weight and initialised it at random (Qwen3.5's in_proj_a/b)."""
+    import transformers
+    from transformers import CompressedTensorsConfig
+
+    out = tmp_path / "q"
+    calibrate(f"builtin:{model}", out, CalibrationConfig(method="rtn", group_size=group))
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert left_float.removesuffix(".weight") in ignore and "lm_head" in ignore
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False),
+        output_loading_info=True)
+    model_, info = loaded
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    sd, ckpt = model_.state_dict(), Checkpoint(out)
+    for name in ignore:
+        if f"{name}.weight" in sd and name != "lm_head":
+            assert torch.equal(sd[f"{name}.weight"], ckpt.get(f"{name}.weight", torch.float32)), name
+    assert any(n.endswith("_proj.weight") for n in ckpt.quantized)
+
+
 def test_gptq_report_shows_lower_error_than_rtn(calibrated) -> None:
     report = json.loads((calibrated["gptq"] / "calibration_report.json").read_text())
     assert report["method"] == "gptq" and report["quantized"] == 28 and not report["fell_back_to_rtn"]

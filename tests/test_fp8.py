@@ -330,6 +330,25 @@ def test_calibrate_fp8_block_writes_the_hf_format(cli, checkpoint, tmp_path: Pat
     assert report.passed and report.max_abs <= 1e-4
 
 
+def test_calibrate_fp8_block_lists_every_linear_left_float(tmp_path: Path) -> None:
+    """Qwen3.5's in_proj_a / in_proj_b stay float: unlisted, transformers made them FP8 modules and
+    initialised them at random (no weight_scale_inv in the checkpoint)."""
+    import transformers
+
+    from qwen2om.quant.calibrate import CalibrationConfig, calibrate
+
+    out = tmp_path / "fp8"
+    calibrate("builtin:tiny-qwen3-5", out, CalibrationConfig(scheme="fp8-block"))
+    left = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert {"lm_head", "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"} <= set(left)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"], info
+    ckpt, state = Checkpoint(out), model.state_dict()
+    name = "model.layers.0.linear_attn.in_proj_a.weight"
+    assert torch.equal(state[name], ckpt.get(name, torch.float32))
+
+
 def test_calibrate_fp8_block_ragged_and_lm_head(cli, tmp_path: Path) -> None:
     out = tmp_path / "fp8"
     code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--scheme", "fp8-block", "--quantize-lm-head",

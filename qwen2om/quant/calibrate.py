@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen2om.arch import LM_HEAD, quantizable
+from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.datasets import windows
@@ -209,14 +209,15 @@ class Calibrator:
 
     def ignored(self) -> list[str]:
         """Linear modules left float, for the config's `ignore` list."""
-        arch = self.ckpt.arch
-        out = [n.removesuffix(".weight") for n in self.names
-               if quantizable(arch, n) and not quantizable(arch, n, ignore=self.cfg.ignore)]
-        return sorted(out) + ([] if self.cfg.quantize_lm_head else ["lm_head"])
+        return float_linears(self.names, lambda n: len(self.shape(n)), set(self.targets()))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        s = self.slices.get(name)
+        return tuple(self.ckpt.shape(name) if s is None else s.shape(self.ckpt))
 
     def check_groups(self, names: list[str]) -> None:
         widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else
-                  (self.slices[n].shape(self.ckpt) if n in self.slices else self.ckpt.shape(n))[1] for n in names}
+                  self.shape(n)[1] for n in names}
         for n, k in widths.items():
             if k % self.spec.group:
                 common = math.gcd(*widths.values())

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qwen2om.arch import LM_HEAD, quantizable
+from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.quant import fp8
 from qwen2om.quant.experts import expand_names, unfused_experts
@@ -86,9 +86,9 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
         progress("quantising layers", i + 1, layers)
     if tied_head:  # the head becomes its own FP8 tensor; the embedding stays float
         emit(LM_HEAD, "model.embed_tokens.weight")
-    left_float = sorted(n.removesuffix(".weight") for n in names if quantizable(arch, n) and n not in targets)
-    if not lm_head:
-        left_float.append("lm_head")
+    quantized = targets | ({LM_HEAD} if tied_head else set())
+    left_float = float_linears(names, lambda n: len(slices[n].shape(ckpt) if n in slices else ckpt.shape(n)),
+                               quantized)
     return reports, seconds, left_float
 
 
