@@ -44,3 +44,36 @@ def test_store_keeps_what_fits_and_spills_the_rest(tmp_path) -> None:
     assert len(store) == 2 and store.used == 400
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-5"])
+def test_awq_scaling_leaves_each_layer_unchanged(checkpoint, model: str) -> None:
+    """AWQ divides a producer's output channels by s and multiplies its consumers' inputs by s: before
+    quantisation the layer computes the same function. Qwen3.5's norms scale by (1 + w), so dividing w
+    by s (as for a plain RMSNorm) changed every scaled layer."""
+    from qwen2om.quant.calibrate import AWQ_GROUPS, shrink_outputs
+
+    runner = LayerRunner(Checkpoint(checkpoint(model)))
+    gen = torch.Generator().manual_seed(0)
+    scaled = 0
+    for index in range(runner.d.layers):
+        layer = runner.layer(index)
+        modules = dict(layer.named_modules())
+        x = torch.randn(1, 7, runner.d.hidden, generator=gen)
+        with torch.no_grad():
+            before = runner.forward(layer, x)
+            for producer, consumers in AWQ_GROUPS:
+                if producer not in modules or not all(c in modules for c in consumers):
+                    continue
+                prev = modules[producer]
+                width = modules[consumers[0]].weight.shape[0]  # consumers stored [in, out]
+                if (prev.weight.shape[-1] if producer.endswith("proj") else prev.weight.shape[0]) != width:
+                    continue
+                s = 0.5 + torch.rand(width, generator=gen)
+                shrink_outputs(prev, s)
+                for c in consumers:
+                    modules[c].weight.data *= s[:, None]
+                scaled += 1
+            after = runner.forward(layer, x)
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    assert scaled >= runner.d.layers  # at least the MLP's norm → gate/up in every layer

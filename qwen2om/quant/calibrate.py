@@ -41,6 +41,7 @@ from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_erro
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter
 from qwen2om.quantized import DESCRIPTION
+from qwen2om.static_hybrid import ZeroCentredRMSNorm
 from qwen2om.static_model import Linear
 
 SCHEMES = ("w4a16", "fp8-block")
@@ -166,6 +167,22 @@ def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, sp
     if not spec.symmetric:
         out[f"{base}.weight_zero_point"] = pack_int4(zp.to(torch.int8), dim=0)
     return out
+
+
+def shrink_outputs(prev: torch.nn.Module, s: torch.Tensor) -> list[str]:
+    """Divide `prev`'s output channels by AWQ's scales `s` (its consumers' input columns are multiplied
+    by them); returns the float parameters changed ("bias" of a Linear with one; "weight" of a norm)."""
+    if isinstance(prev, Linear):  # stored [in, out]: output channels are columns
+        prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+        if prev.bias is None:
+            return []
+        prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
+        return ["bias"]
+    if isinstance(prev, ZeroCentredRMSNorm):  # scales by (1 + w): (1 + w') = (1 + w) / s
+        prev.weight.data = ((1.0 + prev.weight.data.float()) / s - 1.0).to(prev.weight.dtype)
+    else:  # RMSNorm scales by w after normalising
+        prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+    return ["weight"]
 
 
 def _finite_or_raise(y: torch.Tensor, layer: int, samples: list[int], what: str) -> None:
@@ -445,14 +462,7 @@ class Calibrator:
             s, base, best = search_scale(ws, [hess[g] for g in group], x_abs[group[0]], self.spec)
             if best >= base:
                 continue  # s = 1 is best: leave the group alone
-            if isinstance(prev, Linear):  # its output channels shrink by s: stored [in, out], so columns
-                prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
-                if prev.bias is not None:
-                    prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
-                    changed.append(f"{prefix}{producer}.bias")
-            else:  # a norm: scale applied after normalisation
-                prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
-                changed.append(f"{prefix}{producer}.weight")
+            changed += [f"{prefix}{producer}.{attr}" for attr in shrink_outputs(prev, s)]
             for g in group:
                 linears[g].weight.data = (linears[g].weight.data.float() * s[:, None]).to(linears[g].weight.dtype)
                 hess[g] = hess[g] / (s[:, None] * s[None, :])
