@@ -37,6 +37,43 @@ def test_packing_is_byte_identical_to_compressed_tensors() -> None:
     assert torch.equal(unpack_int4(pack_int4(q, dim=0), 24, dim=0), q)
 
 
+def test_shard_writer_streams_tensors_to_readable_shards(tmp_path) -> None:
+    """Each tensor goes to disk as it is added (the writer kept up to a 1 GiB shard in memory, and
+    safetensors' save_file a second copy: calibrate's peak grew with the model until then), and the
+    shards read back through safetensors and qwen2om's own reader, every dtype calibrate writes."""
+    import gc
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from qwen2om.quant.writer import INDEX, ShardWriter
+    from qwen2om.safetensors_io import Shard
+
+    tensors = {"a": torch.randn(3, dtype=torch.bfloat16), "b": torch.arange(300, dtype=torch.int32),
+               "c": torch.tensor(2.5), "d": torch.randn(4, 4).to(torch.float8_e4m3fn),
+               "e": torch.tensor([True, False]), "f": torch.empty(0, 3), "g": torch.randn(5, 7).T}
+    writer = ShardWriter(tmp_path, shard_bytes=1000, header_bytes=4096)
+    big = torch.randn(64, 64)
+    gone = weakref.ref(big)
+    writer.add("big", big)
+    del big
+    gc.collect()
+    assert gone() is None  # written, not held
+    for name, t in tensors.items():
+        writer.add(name, t)
+    with pytest.raises(ValueError, match="written twice"):
+        writer.add("a", tensors["a"])
+    writer.close()
+    weight_map = json.loads((tmp_path / INDEX).read_text())["weight_map"]
+    # at most 1,000 bytes of data a shard unless one tensor is larger: 16 KiB alone, 6 + 1,200 > 1,000, the rest
+    assert writer.shards == [["big"], ["a"], ["b"], ["c", "d", "e", "f", "g"]] and len(set(weight_map.values())) == 4
+    loaded = {k: v for f in set(weight_map.values()) for k, v in load_file(tmp_path / f).items()}
+    for name, t in tensors.items():
+        for got in (loaded[name], Shard(tmp_path / weight_map[name]).read(name)):
+            assert got.dtype == t.dtype and torch.equal(got.reshape(-1).view(torch.uint8),
+                                                        t.reshape(-1).view(torch.uint8)), name
+
+
 def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 256, generator=g) @ (torch.randn(256, 256, generator=g) * 0.1 + torch.eye(256))

@@ -53,6 +53,7 @@ AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self
               ("self_attn.v_proj", ("self_attn.o_proj",)),
               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
               ("mlp.up_proj", ("mlp.down_proj",)))
+COPY_BLOCK = 64 << 20  # bytes of a float tensor copied at a time
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
 
 
@@ -299,8 +300,17 @@ class Calibrator:
         return w_hat
 
     def copy(self, names: list[str]) -> None:
+        """Float tensors as stored, in blocks of rows (an embedding can be gigabytes)."""
         for n in names:
-            self.writer.add(n, self.read(n))
+            if n in self.slices:
+                self.writer.add(n, self.read(n))
+                continue
+            info = self.ckpt.info(n)
+            rows = info.shape[0] if info.shape else 1
+            step = max(1, COPY_BLOCK // max(1, math.prod(info.shape[1:]) * info.dtype.itemsize))
+            blocks = ((r, min(rows, r + step)) for r in range(0, rows, step))
+            self.writer.add_chunks(n, info.dtype, tuple(info.shape),
+                                   (self.ckpt.raw(n, block if info.shape else None) for block in blocks))
 
     def run(self, samples: list[list[int]]) -> None:
         ckpt, d = self.ckpt, self.ckpt.dims

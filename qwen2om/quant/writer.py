@@ -1,42 +1,97 @@
-"""Write a checkpoint directory tensor by tensor: shards flushed as they fill, an index at the end."""
+"""Write a checkpoint directory tensor by tensor, streamed: each tensor's bytes go to its shard file
+as it is added, so memory holds no more than the tensor being written, whatever the checkpoint's size.
+
+A safetensors file starts with its header (names, dtypes, shapes, offsets), which is only known once
+the shard is complete. Each shard therefore reserves `header_bytes` up front, and the header is
+written into that space when the shard closes, padded with spaces (the format allows trailing
+whitespace); a shard is closed early when the next entry would not fit in it.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import struct
+from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
+HEADER_BYTES = 1 << 20  # ~6,000 tensor entries: a shard holds fewer than that at 1 GiB
+METADATA = {"__metadata__": {"format": "pt"}}
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 class ShardWriter:
-    """Tensors go to `model-NNNNN-of-MMMMM.safetensors` shards of about `shard_bytes` each."""
+    """Tensors go to `model-NNNNN-of-MMMMM.safetensors` shards of at most about `shard_bytes` each."""
 
-    def __init__(self, root: Path, shard_bytes: int = 1 << 30) -> None:
-        self.root, self.shard_bytes = Path(root), shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
+    def __init__(self, root: Path, shard_bytes: int = 1 << 30, header_bytes: int = HEADER_BYTES) -> None:
+        self.root, self.shard_bytes, self.header_bytes = Path(root), shard_bytes, header_bytes
+        self.shards: list[list[str]] = []  # the names in each closed shard, in order
         self.total = 0
+        self._names: set[str] = set()
+        self._file: BinaryIO | None = None
+        self._entries: dict[str, dict[str, object]] = {}
+        self._data = 0  # bytes of tensor data in the open shard
+        self._header = len(_json(METADATA))  # bytes its header would take now
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        if name in self.pending or any(name in s for s in self.shards):
+        self.add_chunks(name, t.dtype, tuple(t.shape), [t])
+
+    def add_chunks(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                   chunks: Iterable[torch.Tensor]) -> None:
+        """Tensor `name` of `dtype` and `shape`, whose row-major bytes are `chunks` in order (e.g. row
+        blocks read one at a time, so a large embedding never sits in memory whole)."""
+        if name in self._names:
             raise ValueError(f"tensor {name!r} written twice")
-        self.pending[name] = t.contiguous()
-        self.pending_bytes += t.numel() * t.element_size()
-        if self.pending_bytes >= self.shard_bytes:
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
+        size = math.prod(shape) * dtype.itemsize
+        entry = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [0, size]}
+        cost = len(_json({name: entry})) + 16  # room for the real offsets' digits
+        if len(_json(METADATA)) + cost > self.header_bytes:
+            raise ValueError(f"tensor {name!r}: its header entry does not fit {self.header_bytes} bytes")
+        if self._file is not None and (self._data + size > self.shard_bytes
+                                       or self._header + cost > self.header_bytes):
             self.flush()
+        if self._file is None:
+            self._file = open(self.root / f"part-{len(self.shards) + 1:05d}.safetensors", "wb")  # noqa: SIM115
+            self._file.seek(8 + self.header_bytes)
+        written = 0
+        for chunk in chunks:
+            if chunk.dtype != dtype:
+                raise ValueError(f"tensor {name!r}: a {chunk.dtype} chunk in a {dtype} tensor")
+            chunk = chunk.detach().contiguous()
+            if chunk.numel():
+                self._file.write(memoryview(chunk.reshape(-1).view(torch.uint8).numpy()))
+            written += chunk.numel() * dtype.itemsize
+        if written != size:
+            raise ValueError(f"tensor {name!r}: {written} bytes written for {DTYPES[dtype]}{list(shape)} ({size})")
+        entry["data_offsets"] = [self._data, self._data + size]
+        self._entries[name] = entry
+        self._names.add(name)
+        self._data += size
+        self._header += len(_json({name: entry}))  # as it appears in the header, with its comma
 
     def flush(self) -> None:
-        if not self.pending:
+        """Close the open shard: its header, padded to the reserved space, goes in front of its data."""
+        if self._file is None:
             return
-        n = len(self.shards) + 1
-        save_file(self.pending, str(self.root / f"part-{n:05d}.safetensors"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.total += self.pending_bytes
-        self.pending, self.pending_bytes = {}, 0
+        header = _json({**METADATA, **self._entries}).encode()
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self.header_bytes) + header + b" " * (self.header_bytes - len(header)))
+        self._file.close()
+        self.shards.append(list(self._entries))
+        self.total += self._data
+        self._file, self._entries, self._data, self._header = None, {}, 0, len(_json(METADATA))
 
     def close(self) -> None:
         """Name the shards with their final count and write the index."""
