@@ -39,7 +39,7 @@ from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.experts import EXPERT, ExpertStats, expand_names, quantize_experts, unfused_experts
 from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_errors
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
-from qwen2om.quant.writer import ShardWriter
+from qwen2om.quant.writer import ShardWriter, copy_tensor
 from qwen2om.quantized import DESCRIPTION
 from qwen2om.static_hybrid import ZeroCentredRMSNorm
 from qwen2om.static_model import Linear
@@ -53,7 +53,6 @@ AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self
               ("self_attn.v_proj", ("self_attn.o_proj",)),
               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
               ("mlp.up_proj", ("mlp.down_proj",)))
-COPY_BLOCK = 64 << 20  # bytes of a float tensor copied at a time
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
 
 
@@ -305,12 +304,7 @@ class Calibrator:
             if n in self.slices:
                 self.writer.add(n, self.read(n))
                 continue
-            info = self.ckpt.info(n)
-            rows = info.shape[0] if info.shape else 1
-            step = max(1, COPY_BLOCK // max(1, math.prod(info.shape[1:]) * info.dtype.itemsize))
-            blocks = ((r, min(rows, r + step)) for r in range(0, rows, step))
-            self.writer.add_chunks(n, info.dtype, tuple(info.shape),
-                                   (self.ckpt.raw(n, block if info.shape else None) for block in blocks))
+            copy_tensor(self.writer, self.ckpt, n)
 
     def run(self, samples: list[list[int]]) -> None:
         ckpt, d = self.ckpt, self.ckpt.dims

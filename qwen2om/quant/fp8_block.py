@@ -30,7 +30,7 @@ from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.quant import fp8
 from qwen2om.quant.experts import expand_names, unfused_experts
-from qwen2om.quant.writer import ShardWriter
+from qwen2om.quant.writer import ShardWriter, copy_tensor
 
 BLOCK = (128, 128)
 
@@ -73,15 +73,21 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
         writer.add(name.removesuffix(".weight") + ".weight_scale_inv", scale)
         reports.append(Fp8Report(name, err, float(scale.min()), float(scale.max())))
 
+    def copy(name: str) -> None:
+        if name in slices:
+            writer.add(name, read(name))
+        else:
+            copy_tensor(writer, ckpt, name)
+
     by_layer: dict[int | None, list[str]] = {}
     for n in names:
         by_layer.setdefault(layer_of(n), []).append(n)
     for n in by_layer.pop(None, []):
-        emit(n, n) if n in targets else writer.add(n, read(n))
+        emit(n, n) if n in targets else copy(n)
     for i in range(layers):
         t0 = time.perf_counter()
         for n in by_layer.get(i, []):
-            emit(n, n) if n in targets else writer.add(n, read(n))
+            emit(n, n) if n in targets else copy(n)
         seconds.append(time.perf_counter() - t0)
         progress("quantising layers", i + 1, layers)
     if tied_head:  # the head becomes its own FP8 tensor; the embedding stays float

@@ -14,11 +14,15 @@ import math
 import struct
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
+if TYPE_CHECKING:
+    from qwen2om.checkpoint import Checkpoint
+
 INDEX = "model.safetensors.index.json"
+COPY_BLOCK = 64 << 20  # bytes of a tensor copied at a time
 HEADER_BYTES = 1 << 20  # ~6,000 tensor entries: a shard holds fewer than that at 1 GiB
 METADATA = {"__metadata__": {"format": "pt"}}
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -104,3 +108,15 @@ class ShardWriter:
             weight_map |= {name: final for name in names}
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+
+def copy_tensor(writer: ShardWriter, ckpt: Checkpoint, name: str) -> None:
+    """Tensor `name` of `ckpt` as stored, read and written in blocks of rows (an embedding can be
+    gigabytes)."""
+    info = ckpt.info(name)
+    rows = info.shape[0] if info.shape else 1
+    step = max(1, COPY_BLOCK // max(1, math.prod(info.shape[1:]) * info.dtype.itemsize))
+    blocks = ((r, min(rows, r + step)) for r in range(0, rows, step))
+    writer.add_chunks(name, info.dtype, tuple(info.shape),
+                      (ckpt.raw(name, block if info.shape else None) for block in blocks))
