@@ -233,8 +233,7 @@ class Calibrator:
         return tuple(self.ckpt.shape(name) if s is None else s.shape(self.ckpt))
 
     def check_groups(self, names: list[str]) -> None:
-        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else
-                  self.shape(n)[1] for n in names}
+        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else self.shape(n)[1] for n in names}
         for n, k in widths.items():
             if k % self.spec.group:
                 common = math.gcd(*widths.values())
@@ -301,10 +300,10 @@ class Calibrator:
     def copy(self, names: list[str]) -> None:
         """Float tensors as stored, in blocks of rows (an embedding can be gigabytes)."""
         for n in names:
-            if n in self.slices:
+            if n in self.slices:  # one expert's slice of a fused stack
                 self.writer.add(n, self.read(n))
-                continue
-            copy_tensor(self.writer, self.ckpt, n)
+            else:
+                copy_tensor(self.writer, self.ckpt, n)
 
     def run(self, samples: list[list[int]]) -> None:
         ckpt, d = self.ckpt, self.ckpt.dims

@@ -90,6 +90,7 @@ class ShardWriter:
         if self._file is None:
             return
         header = _json({**METADATA, **self._entries}).encode()
+        assert len(header) <= self.header_bytes, "add_chunks keeps the header inside its reserved space"
         self._file.seek(0)
         self._file.write(struct.pack("<Q", self.header_bytes) + header + b" " * (self.header_bytes - len(header)))
         self._file.close()
@@ -108,7 +109,6 @@ class ShardWriter:
             weight_map |= {name: final for name in names}
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
 
 
 def copy_tensor(writer: ShardWriter, ckpt: Checkpoint, name: str) -> None:
