@@ -12,8 +12,9 @@ calibrated in a fresh child process with
 
 and the child's peak RSS (the kernel's `ru_maxrss`, exact) and peak anonymous memory (`RssAnon`,
 polled every `--poll-s`, a lower bound) — `bench/convert_memory.py`'s measurement, whose docstring says
-how to read the two. RSS includes the pages of the memory-mapped checkpoint that have been read, which
-the kernel can drop at any time; RssAnon is what has to fit.
+how to read the two. calibrate reads the checkpoint with positioned reads (no memory map), so the gap
+between RSS and RssAnon is mostly file-backed pages of the shared libraries (torch's among them);
+RssAnon is what has to fit.
 
     .venv/bin/python bench/calibrate_memory.py                       # qwen3-0.6b at 7, 14 and 28 layers
     .venv/bin/python bench/calibrate_memory.py --cases 1.7b:7 1.7b:28 --method rtn

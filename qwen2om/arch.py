@@ -367,4 +367,4 @@ def float_linears(names: Iterable[str], ndim: Callable[[str], int], quantized: C
            if n.endswith(".weight") and n not in quantized and n != EMBED and ndim(n) == 2}
     if LM_HEAD not in quantized:
         out.add(LM_HEAD.removesuffix(".weight"))
-    return sorted(out)
+    return sorted(out, key=lambda m: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", m)])  # 2 < 10

@@ -74,6 +74,35 @@ def test_shard_writer_streams_tensors_to_readable_shards(tmp_path) -> None:
                                                         t.reshape(-1).view(torch.uint8)), name
 
 
+def test_shard_writer_survives_a_failed_tensor(tmp_path) -> None:
+    """A tensor whose chunks fail half-way leaves the shard as it was: later tensors still make a valid file."""
+    from safetensors.torch import load_file
+
+    from qwen2om.quant.writer import INDEX, ShardWriter
+
+    writer = ShardWriter(tmp_path, header_bytes=4096)
+    writer.add("a", torch.arange(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="chunk"):
+        writer.add_chunks("b", torch.float32, (2, 3), [torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int32)])
+    writer.add("c", torch.ones(2))
+    writer.close()
+    shard = json.loads((tmp_path / INDEX).read_text())["weight_map"]["a"]
+    assert {k: v.tolist() for k, v in load_file(tmp_path / shard).items()} == {"a": [0, 1, 2, 3], "c": [1.0, 1.0]}
+
+
+def test_non_finite_activations_name_their_sample_batched_or_flattened() -> None:
+    """A shared expert sees its batch flattened to [B·T, H]: the sample was looked up per token row
+    (a NaN in the second sample raised StopIteration, a traceback)."""
+    from qwen2om.quant.calibrate import CalibrationError, _finite_or_raise
+
+    y = torch.zeros(2, 3, 4)
+    y[1, 2, 0] = float("nan")
+    for x in (y, y.reshape(6, 4)):
+        with pytest.raises(CalibrationError, match="layer 7: its input on calibration sample 12 is not finite"):
+            _finite_or_raise(x, 7, [11, 12], "its input")
+    _finite_or_raise(torch.zeros(6, 4), 7, [11, 12], "its input")
+
+
 def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 256, generator=g) @ (torch.randn(256, 256, generator=g) * 0.1 + torch.eye(256))

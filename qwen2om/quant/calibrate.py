@@ -186,11 +186,15 @@ def shrink_outputs(prev: torch.nn.Module, s: torch.Tensor) -> list[str]:
 
 
 def _finite_or_raise(y: torch.Tensor, layer: int, samples: list[int], what: str) -> None:
-    """`y` holds one row per calibration sample of `samples`: a non-finite value names the layer and sample."""
-    if not torch.isfinite(y).all():
-        bad = next(i for j, i in enumerate(samples) if not torch.isfinite(y[j]).all())
-        raise CalibrationError(f"layer {layer}: {what} on calibration sample {bad} is not finite (NaN/Inf); "
-                               "nothing was written")
+    """`y` holds the batch `samples` in order, [B, T, H] or flattened to [B·T, H] (a shared expert's
+    input): a non-finite value names the layer and the sample it came from."""
+    if torch.isfinite(y).all():
+        return
+    where = ""
+    if samples and y.numel() % len(samples) == 0:
+        bad = int((~torch.isfinite(y.reshape(len(samples), -1)).all(1)).nonzero()[0])
+        where = f" on calibration sample {samples[bad]}"
+    raise CalibrationError(f"layer {layer}: {what}{where} is not finite (NaN/Inf); nothing was written")
 
 
 class _Collected(Exception):

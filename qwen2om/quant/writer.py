@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 INDEX = "model.safetensors.index.json"
 COPY_BLOCK = 64 << 20  # bytes of a tensor copied at a time
-HEADER_BYTES = 1 << 20  # ~6,000 tensor entries: a shard holds fewer than that at 1 GiB
+HEADER_BYTES = 1 << 20  # ~6,000 tensor entries; a shard whose header fills up closes early
 METADATA = {"__metadata__": {"format": "pt"}}
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -38,6 +38,8 @@ class ShardWriter:
     """Tensors go to `model-NNNNN-of-MMMMM.safetensors` shards of at most about `shard_bytes` each."""
 
     def __init__(self, root: Path, shard_bytes: int = 1 << 30, header_bytes: int = HEADER_BYTES) -> None:
+        if header_bytes % 8:
+            raise ValueError(f"header_bytes {header_bytes} is not a multiple of 8 (safetensors aligns its data)")
         self.root, self.shard_bytes, self.header_bytes = Path(root), shard_bytes, header_bytes
         self.shards: list[list[str]] = []  # the names in each closed shard, in order
         self.total = 0
@@ -69,16 +71,21 @@ class ShardWriter:
         if self._file is None:
             self._file = open(self.root / f"part-{len(self.shards) + 1:05d}.safetensors", "wb")  # noqa: SIM115
             self._file.seek(8 + self.header_bytes)
-        written = 0
-        for chunk in chunks:
-            if chunk.dtype != dtype:
-                raise ValueError(f"tensor {name!r}: a {chunk.dtype} chunk in a {dtype} tensor")
-            chunk = chunk.detach().contiguous()
-            if chunk.numel():
-                self._file.write(memoryview(chunk.reshape(-1).view(torch.uint8).numpy()))
-            written += chunk.numel() * dtype.itemsize
-        if written != size:
-            raise ValueError(f"tensor {name!r}: {written} bytes written for {DTYPES[dtype]}{list(shape)} ({size})")
+        start, written = self._file.tell(), 0
+        try:
+            for chunk in chunks:
+                if chunk.dtype != dtype:
+                    raise ValueError(f"tensor {name!r}: a {chunk.dtype} chunk in a {dtype} tensor")
+                chunk = chunk.detach().contiguous()
+                if chunk.numel():
+                    self._file.write(memoryview(chunk.reshape(-1).view(torch.uint8).numpy()))
+                written += chunk.numel() * dtype.itemsize
+            if written != size:
+                raise ValueError(f"tensor {name!r}: {written} bytes for {DTYPES[dtype]}{list(shape)} ({size})")
+        except BaseException:  # the shard stays as it was before this tensor
+            self._file.seek(start)
+            self._file.truncate()
+            raise
         entry["data_offsets"] = [self._data, self._data + size]
         self._entries[name] = entry
         self._names.add(name)
