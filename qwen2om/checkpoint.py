@@ -125,6 +125,14 @@ class Checkpoint:
         """The name `name` has in the safetensors files."""
         return self._stored.get(name, name)
 
+    def layout_name(self, name: str) -> str:
+        """The name a tensor or module of the text model gets in a checkpoint laid out like this one:
+        inside `model.language_model.*` when this one is the published wrapper (whose config and
+        loaders expect that), as it is otherwise."""
+        if self._stored and name.startswith("model.") and not name.startswith("model.visual."):
+            return "model.language_model." + name[len("model."):]
+        return name
+
     def _open(self, shard: Path) -> Shard:
         if shard not in self._handles:
             self._handles[shard] = Shard(shard)

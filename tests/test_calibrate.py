@@ -151,30 +151,38 @@ def test_transformers_decompresses_to_our_dequantisation(calibrated) -> None:
         assert torch.equal(sd[name].to(torch.bfloat16), ckpt.get(name).to(torch.bfloat16)), name
 
 
-@pytest.mark.parametrize(("model", "group", "left_float"), [
-    ("tiny-qwen3-5", 32, "model.layers.0.linear_attn.in_proj_a"),  # hybrids' decay / write-strength projections
-    ("tiny-qwen2-moe", 16, "model.layers.0.mlp.shared_expert_gate"),  # and the router, mlp.gate
+@pytest.mark.parametrize(("model", "group", "loader", "left_float"), [
+    # Qwen3.5 as published: the text model inside model.language_model.*, kept so (its config names
+    # the wrapper class); in_proj_a/b are the hybrids' decay / write-strength projections
+    ("tiny-qwen3-5", 32, "AutoModelForImageTextToText", "model.language_model.layers.0.linear_attn.in_proj_a"),
+    ("tiny-qwen3-5", 32, "AutoModelForCausalLM", "model.language_model.layers.0.linear_attn.in_proj_b"),
+    ("tiny-qwen2-moe", 16, "AutoModelForCausalLM", "model.layers.0.mlp.shared_expert_gate"),  # and the router
 ])
-def test_transformers_loads_the_linears_left_float(model, group, left_float, tmp_path) -> None:
+def test_transformers_loads_the_linears_left_float(model, group, loader, left_float, tmp_path) -> None:
     """Every 2-D weight left float is in the config's `ignore`: a Linear not listed was quantised by the
-    loader, which then found no packed weight and initialised it at random (Qwen3.5's in_proj_a/b)."""
+    loader, which then found no packed weight and initialised it at random (Qwen3.5's in_proj_a/b); and
+    a wrapper's text model is written where its config says (it was written under text names, which
+    the wrapper class did not find)."""
     import transformers
     from transformers import CompressedTensorsConfig
 
     out = tmp_path / "q"
     calibrate(f"builtin:{model}", out, CalibrationConfig(method="rtn", group_size=group))
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
-    assert left_float.removesuffix(".weight") in ignore and "lm_head" in ignore
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+    assert left_float in ignore and "lm_head" in ignore
+    model_, info = getattr(transformers, loader).from_pretrained(
         out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False),
         output_loading_info=True)
-    model_, info = loaded
-    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
     sd, ckpt = model_.state_dict(), Checkpoint(out)
-    for name in ignore:
-        if f"{name}.weight" in sd and name != "lm_head":
-            assert torch.equal(sd[f"{name}.weight"], ckpt.get(f"{name}.weight", torch.float32)), name
-    assert any(n.endswith("_proj.weight") for n in ckpt.quantized)
+    compared = 0
+    for module in ignore:
+        for key in {f"{module}.weight", f"{module}.weight".replace(".language_model.", ".")}:
+            if key in sd and module != "lm_head":
+                text_name = f"{module}.weight".replace(".language_model.", ".")
+                assert torch.equal(sd[key], ckpt.get(text_name, torch.float32)), key
+                compared += 1
+    assert compared >= 2 and any(n.endswith("_proj.weight") for n in ckpt.quantized)
 
 
 def test_gptq_report_shows_lower_error_than_rtn(calibrated) -> None:

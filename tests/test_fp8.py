@@ -340,7 +340,9 @@ def test_calibrate_fp8_block_lists_every_linear_left_float(tmp_path: Path) -> No
     out = tmp_path / "fp8"
     calibrate("builtin:tiny-qwen3-5", out, CalibrationConfig(scheme="fp8-block"))
     left = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
-    assert {"lm_head", "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"} <= set(left)
+    # the wrapper's layout kept: the text model under model.language_model.*, as its config says
+    assert {"lm_head", "model.language_model.layers.0.linear_attn.in_proj_a",
+            "model.language_model.layers.0.linear_attn.in_proj_b"} <= set(left)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                                     output_loading_info=True)
     assert not info["missing_keys"], info

@@ -499,7 +499,7 @@ def description(ckpt: Checkpoint, cal: Calibrator) -> dict[str, Any]:
     out: dict[str, Any] = {"model_quant_type": "W4A16", "group_size": cal.spec.group}
     for name in sorted(n for shard in cal.writer.shards for n in shard):
         base = name.removesuffix("_scale").removesuffix("_offset")
-        out[name] = "W4A16" if base in quantized or name in quantized else "FLOAT"
+        out[ckpt.layout_name(name)] = "W4A16" if base in quantized or name in quantized else "FLOAT"
     return out
 
 
@@ -534,7 +534,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         for note in data.notes:
             log(note)
     with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
-        writer = ShardWriter(stage)
+        writer = ShardWriter(stage, rename=ckpt.layout_name)
         cal = Calibrator(ckpt, cfg, writer, progress, log)
         cal.run(data.samples if data else [])
         writer.close()
@@ -544,7 +544,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         if cfg.fmt == "ascendv1":
             (stage / DESCRIPTION).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
         else:
-            config["quantization_config"] = quantization_config(cfg, cal.ignored())
+            config["quantization_config"] = quantization_config(cfg, [ckpt.layout_name(m) for m in cal.ignored()])
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in COPY_FILES:
             if (source / name).is_file():
@@ -577,7 +577,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
         raise CalibrationError(f"--format {cfg.fmt}: fp8-block writes Hugging Face's fine-grained FP8 format only")
     t0 = time.perf_counter()
     with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
-        writer = ShardWriter(stage)
+        writer = ShardWriter(stage, rename=ckpt.layout_name)
         reports, seconds, left_float = quantize_checkpoint(
             ckpt, writer, ignore=cfg.ignore, lm_head=cfg.quantize_lm_head, finite=Calibrator.finite_weight,
             progress=progress)
@@ -585,7 +585,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
         config = dict(ckpt.config)
         if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False  # the head is now its own (FP8) tensor
-        config["quantization_config"] = hf_quantization_config(left_float)
+        config["quantization_config"] = hf_quantization_config([ckpt.layout_name(m) for m in left_float])
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in COPY_FILES:
             if (source / name).is_file():

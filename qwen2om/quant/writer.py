@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -37,10 +37,12 @@ def _json(value: object) -> str:
 class ShardWriter:
     """Tensors go to `model-NNNNN-of-MMMMM.safetensors` shards of at most about `shard_bytes` each."""
 
-    def __init__(self, root: Path, shard_bytes: int = 1 << 30, header_bytes: int = HEADER_BYTES) -> None:
+    def __init__(self, root: Path, shard_bytes: int = 1 << 30, header_bytes: int = HEADER_BYTES,
+                 rename: Callable[[str], str] = str) -> None:
         if header_bytes % 8:
             raise ValueError(f"header_bytes {header_bytes} is not a multiple of 8 (safetensors aligns its data)")
         self.root, self.shard_bytes, self.header_bytes = Path(root), shard_bytes, header_bytes
+        self.rename = rename  # the name a tensor is stored under (`shards` keeps the names given)
         self.shards: list[list[str]] = []  # the names in each closed shard, in order
         self.total = 0
         self._names: set[str] = set()
@@ -62,7 +64,7 @@ class ShardWriter:
             raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
         size = math.prod(shape) * dtype.itemsize
         entry = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [0, size]}
-        cost = len(_json({name: entry})) + 16  # room for the real offsets' digits
+        cost = len(_json({self.rename(name): entry})) + 16  # room for the real offsets' digits
         if len(_json(METADATA)) + cost > self.header_bytes:
             raise ValueError(f"tensor {name!r}: its header entry does not fit {self.header_bytes} bytes")
         if self._file is not None and (self._data + size > self.shard_bytes
@@ -90,13 +92,13 @@ class ShardWriter:
         self._entries[name] = entry
         self._names.add(name)
         self._data += size
-        self._header += len(_json({name: entry}))  # as it appears in the header, with its comma
+        self._header += len(_json({self.rename(name): entry}))  # as it appears in the header, with its comma
 
     def flush(self) -> None:
         """Close the open shard: its header, padded to the reserved space, goes in front of its data."""
         if self._file is None:
             return
-        header = _json({**METADATA, **self._entries}).encode()
+        header = _json({**METADATA, **{self.rename(n): e for n, e in self._entries.items()}}).encode()
         assert len(header) <= self.header_bytes, "add_chunks keeps the header inside its reserved space"
         self._file.seek(0)
         self._file.write(struct.pack("<Q", self.header_bytes) + header + b" " * (self.header_bytes - len(header)))
@@ -113,7 +115,7 @@ class ShardWriter:
         for i, names in enumerate(self.shards, 1):
             final = f"model-{i:05d}-of-{count:05d}.safetensors"
             (self.root / f"part-{i:05d}.safetensors").rename(self.root / final)
-            weight_map |= {name: final for name in names}
+            weight_map |= {self.rename(name): final for name in names}
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
