@@ -36,7 +36,14 @@ from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
-from qwen2om.quant.experts import EXPERT, ExpertStats, expand_names, quantize_experts, unfused_experts
+from qwen2om.quant.experts import (
+    EXPERT,
+    ExpertStats,
+    expand_names,
+    expanded_shape,
+    quantize_experts,
+    unfused_experts,
+)
 from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_errors
 from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
 from qwen2om.quant.writer import ShardWriter, copy_tensor
@@ -233,8 +240,7 @@ class Calibrator:
         return float_linears(self.names, lambda n: len(self.shape(n)), set(self.targets()))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        s = self.slices.get(name)
-        return tuple(self.ckpt.shape(name) if s is None else s.shape(self.ckpt))
+        return expanded_shape(self.ckpt, self.slices, name)
 
     def check_groups(self, names: list[str]) -> None:
         widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else self.shape(n)[1] for n in names}

@@ -73,6 +73,11 @@ def unfused_experts(ckpt: Reader) -> dict[str, ExpertSlice]:
     return out
 
 
+def expanded_shape(ckpt: Reader, slices: dict[str, ExpertSlice], name: str) -> tuple[int, ...]:
+    """The shape of `name`, a checkpoint tensor or one expert's slice of a fused stack."""
+    return tuple(slices[name].shape(ckpt) if name in slices else ckpt.shape(name))
+
+
 def expand_names(names: Iterable[str], slices: dict[str, ExpertSlice]) -> list[str]:
     """`names` with each fused stack replaced, in place, by the per-expert names of its slices."""
     by_source: dict[str, list[str]] = {}

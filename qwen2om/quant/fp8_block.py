@@ -29,7 +29,7 @@ import torch
 from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.quant import fp8
-from qwen2om.quant.experts import expand_names, unfused_experts
+from qwen2om.quant.experts import expand_names, expanded_shape, unfused_experts
 from qwen2om.quant.writer import ShardWriter, copy_tensor
 
 BLOCK = (128, 128)
@@ -93,8 +93,7 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
     if tied_head:  # the head becomes its own FP8 tensor; the embedding stays float
         emit(LM_HEAD, "model.embed_tokens.weight")
     quantized = targets | ({LM_HEAD} if tied_head else set())
-    left_float = float_linears(names, lambda n: len(slices[n].shape(ckpt) if n in slices else ckpt.shape(n)),
-                               quantized)
+    left_float = float_linears(names, lambda n: len(expanded_shape(ckpt, slices, n)), quantized)
     return reports, seconds, left_float
 
 
