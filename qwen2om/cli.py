@@ -231,7 +231,8 @@ def verify(
     out: Annotated[Path, typer.Argument(help="a qwen2om output directory")],
     reference: Annotated[str | None, typer.Option(help="the checkpoint to compare with (directory or "
                                                  "builtin:NAME); default: the one OUT was converted from, "
-                                                 "as its manifest records it")] = None,
+                                                 "as its manifest records it (an error if its files have "
+                                                 "changed since)")] = None,
     tokens: Annotated[int, typer.Option(help="greedy tokens generated per prompt")] = 32,
     prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
                                                      "prompts, one longer than a prefill chunk)")] = None,

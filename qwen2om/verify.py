@@ -20,7 +20,7 @@ from qwen2om.arch import text_config
 from qwen2om.builtin import resolve_model
 from qwen2om.errors import Qwen2omError
 from qwen2om.kernels.ascend import cpu_engine
-from qwen2om.output import MANIFEST, read_manifest
+from qwen2om.output import MANIFEST, read_manifest, sha256_file
 from qwen2om.runtime.standalone import Engine
 
 DEFAULT_PROMPTS = (
@@ -187,15 +187,35 @@ def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.
 
 def default_reference(out: Path) -> str:
     """The checkpoint OUT was converted from, as its manifest records it: a builtin by name, a directory
-    by its absolute path (older manifests hold the path as it was typed)."""
+    by its absolute path (older manifests hold the path as it was typed), which must still hold the files
+    the conversion read: a checkpoint calibrated again into the same directory is another model, and
+    verify would report its differences as conversion errors."""
     source = read_manifest(out).get("source", {})
     model, path = str(source.get("model", "")), Path(source.get("path", ""))
     if model.startswith("builtin:"):
         return model
-    if source.get("path") and (path / "config.json").is_file():
-        return str(path)
-    raise Qwen2omError(f"{out} was converted from {model or 'an unrecorded checkpoint'}, which is not at "
-                       f"{path} any more: pass --reference")
+    if not (source.get("path") and (path / "config.json").is_file()):
+        raise Qwen2omError(f"{out} was converted from {model or 'an unrecorded checkpoint'}, which is not at "
+                           f"{path} any more: pass --reference")
+    if changed := source_change(path, source.get("files", [])):
+        raise Qwen2omError(f"{path} has changed since {out} was converted from it ({changed}): reconvert, or "
+                           f"pass --reference {path} to compare with it as it is now")
+    return str(path)
+
+
+def source_change(path: Path, files: list[dict[str, Any]]) -> str | None:
+    """How the files under `path` differ from the manifest's record of them (name, bytes, sha256), or None.
+    Sizes first, for free; then the hashes (one read of the checkpoint, which verify loads whole anyway)."""
+    for f in files:
+        p = path / f["name"]
+        if not p.is_file():
+            return f"{f['name']} is gone"
+        if p.stat().st_size != f["bytes"]:
+            return f"{f['name']} is {p.stat().st_size:,} bytes, was {f['bytes']:,}"
+    for f in files:
+        if sha256_file(path / f["name"]) != f["sha256"]:
+            return f"{f['name']} has another sha256"
+    return None
 
 
 def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, prompts: list[str] | None = None,

@@ -161,6 +161,38 @@ def test_verify_without_reference_when_the_source_moved(converted, cli, tmp_path
     assert code == 2 and f"converted from {tmp_path / 'ckpt'}, which is not at" in err and "--reference" in err
 
 
+def test_verify_without_reference_when_the_source_changed(converted, cli, tmp_path) -> None:
+    """A checkpoint calibrated again into the same directory is another model: verify names the file
+    that changed instead of reporting the new model's differences as conversion errors."""
+    import json
+    import shutil
+
+    from qwen2om.builtin import resolve_model
+    from qwen2om.output import file_entries
+    from qwen2om.verify import default_reference
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(resolve_model("builtin:tiny-qwen3"), ckpt)
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = [p for p in ckpt.rglob("*") if p.is_file()]
+    manifest["source"].update(model=str(ckpt), path=str(ckpt), files=file_entries(ckpt, files))
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert default_reference(out) == str(ckpt)  # unchanged: the recorded checkpoint is the reference
+
+    config = json.loads((ckpt / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5  # same size as before, another sha256
+    text = json.dumps(config)
+    (ckpt / "config.json").write_text(text + " " * (next(f["bytes"] for f in manifest["source"]["files"]
+                                                        if f["name"] == "config.json") - len(text)))
+    code, _, err = cli("verify", out)
+    assert code == 2 and "Traceback" not in err
+    assert f"{ckpt} has changed since" in err and "config.json has another sha256" in err and "--reference" in err
+    (ckpt / "generation_config.json").unlink()
+    code, _, err = cli("verify", out)
+    assert code == 2 and "generation_config.json is gone" in err
+
+
 @pytest.mark.parametrize("command", [("verify",), ("eval", "agree")])
 def test_a_reference_with_another_vocabulary_is_named(converted, cli, command) -> None:
     # tiny-qwen3 has Qwen's 151,936-token vocabulary, tiny-qwen3-trained its own 3,072 tokens: this
