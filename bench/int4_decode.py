@@ -13,7 +13,8 @@ What it does, in order (every artefact is cached under `--workdir`/int4, `--rebu
    - `w4-acc4`: W4 with a copy of `recipes/qwen3-fp32.yaml` whose pipeline says
      `- lower_int4: {accuracy_level: 4}` (activations quantised to int8 per block, as ORT GenAI does);
    (and the variants `--only` names: `w4-acc4-qhead` with an int4 LM head, `w4-acc4-qhead-gears` the same
-   converted with `--gears 16,32,64,T`, so a short prompt's prefill runs at its smallest gear);
+   converted with `--gears 16,32,64,T`, so a short prompt's prefill runs at its smallest gear,
+   `w4-acc4-g256-qhead-gears` the same at group 256);
 4. `python -m onnxruntime_genai.models.builder -i CKPT -o OUT -p int4 -e cpu -c CACHE` (HF_HUB_OFFLINE=1);
 5. for each model, in a fresh child process (its own peak RSS, nothing shared between runtimes):
    the same `--prompt-tokens` ids, `--new-tokens` greedy tokens with EOS ignored, one warm-up and
@@ -62,13 +63,15 @@ from qwen2om.fixtures.synthetic import DENSE_PRESETS, SyntheticPreset, resolve_p
 GENAI_BASELINE_TPS = 14.1  # ORT GenAI int4 decode measured earlier on this machine (2 cores); the issue's yardstick
 TARGET_SPEEDUP = 1.5  # the issue: qwen2om int4 decode >= 1.5x ORT GenAI int4
 KEYS = ("fp32", "w4-acc0", "w4-acc4-unfused", "w4-acc4", "w4-acc4-qhead", "w4-acc4-g32-qhead",
-        "w4-acc4-qhead-gears", "ort-genai", "w4-acc0-unpacked", "w4-acc4-unpacked")
+        "w4-acc4-qhead-gears", "w4-acc4-g256-qhead-gears", "ort-genai", "w4-acc0-unpacked", "w4-acc4-unpacked")
 # The int4 conversions: key → (calibration, recipe). Calibrations: "g" = --group-size G (LM head float, tied
-# to the embedding), "g-qhead" = the same with --quantize-lm-head, "g32-qhead" = group 32 with it.
+# to the embedding), "g-qhead" = the same with --quantize-lm-head, "g32-qhead" / "g256-qhead" = group 32 / 256
+# with it (256: fewer scales per weight, which ONNX Runtime's int4 kernel streams faster; a quality cost).
 INT4 = {"w4-acc0": ("g", "default"), "w4-acc4-unfused": ("g", "acc4-unfused"), "w4-acc4": ("g", "acc4"),
         "w4-acc4-qhead": ("g-qhead", "acc4"), "w4-acc4-g32-qhead": ("g32-qhead", "acc4"),
-        "w4-acc4-qhead-gears": ("g-qhead", "acc4")}
-GEARED = ("w4-acc4-qhead-gears",)  # converted with --gears 16,32,64,...,prefill_chunk (a short prompt's prefill)
+        "w4-acc4-qhead-gears": ("g-qhead", "acc4"), "w4-acc4-g256-qhead-gears": ("g256-qhead", "acc4")}
+# Converted with --gears 16,32,64,...,prefill_chunk (a short prompt's prefill).
+GEARED = ("w4-acc4-qhead-gears", "w4-acc4-g256-qhead-gears")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ckpt, _ = ensure_checkpoint(a.workdir, a.preset, p.layers, a.seed)
     tag = f"{a.preset}-L{p.layers}-s{a.seed}"
-    groups = {"g": (a.group_size, False), "g-qhead": (a.group_size, True), "g32-qhead": (32, True)}
+    groups = {"g": (a.group_size, False), "g-qhead": (a.group_size, True), "g32-qhead": (32, True),
+              "g256-qhead": (256, True)}
     w4 = {c: work / f"w4-rtn-g{g}{'-qhead' if head else ''}-{tag}" for c, (g, head) in groups.items()}
     sets = ["--set", f"max_seq_len={a.max_seq_len}", "--set", f"prefill_chunk={a.prefill_chunk}"]
     shape = f"P{a.max_seq_len}-T{a.prefill_chunk}"
@@ -467,7 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Variant("w4-acc4-g32-qhead", "qwen2om int4 g32, accuracy_level 4, int4 LM head", "qwen2om",
                         out["w4-acc4-g32-qhead"]),
                 Variant("w4-acc4-qhead-gears", f"qwen2om int4 g{a.group_size}, accuracy_level 4, int4 LM head, "
-                        f"prefill gears {gears}", "qwen2om", out["w4-acc4-qhead-gears"])]
+                        f"prefill gears {gears}", "qwen2om", out["w4-acc4-qhead-gears"]),
+                Variant("w4-acc4-g256-qhead-gears", "qwen2om int4 g256, accuracy_level 4, int4 LM head, "
+                        f"prefill gears {gears}", "qwen2om", out["w4-acc4-g256-qhead-gears"])]
     if not a.skip_ort_genai:
         variants.append(Variant("ort-genai", "ORT GenAI int4 (accuracy_level 4)", "ort-genai", genai))
     if a.unpacked_rows or a.only:

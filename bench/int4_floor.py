@@ -11,8 +11,14 @@ and with the same `--threads`:
    each fed from a graph input of its width (so the nodes run back to back, as in the step): the time
    no graph surgery can remove while the int4 weights go through ONNX Runtime's kernel;
 3. with `--sweep`, one `[1, K] x [K, N]` MatMulNBits shape over `--sweep-copies` distinct random weights
-   (more than the L3 cache holds, so weights stream from memory, as in decode) at each block size and
-   accuracy level: the kernel's int4 throughput.
+   (more than the L3 cache holds, and the caches evicted before each run, so weights stream from memory, as
+   in decode) at each block size and
+   accuracy level: the kernel's int4 throughput;
+4. with `--by-shape`, each graph's MatMulNBits grouped by shape (K, N, block), each group timed alone: which
+   shapes stream their weights slower (the caches evicted before each run);
+5. with `--ceiling`, this machine's memory read bandwidth with `--threads` threads, and from it the least
+   time any int4 kernel could take to stream each graph's MatMulNBits weights: the step that would be left
+   with a perfect kernel and the rest of the graph as measured.
 
 The table says how long the rest of the graph (attention, norms, reshapes, per-node cost) takes, and the
 step a target speed-up over a reference graph would need.
@@ -29,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,10 +121,14 @@ def nbits_only(graph: Path) -> tuple[bytes, dict[str, np.ndarray], int, int]:
     return helper.make_model(g, opset_imports=opsets).SerializeToString(), feeds, len(nodes), nbytes
 
 
-def ms_per_step(s: ort.InferenceSession, feeds: dict[str, np.ndarray], steps: int, repeats: int) -> float:
+def ms_per_step(s: ort.InferenceSession, feeds: dict[str, np.ndarray], steps: int, repeats: int,
+                evict: np.ndarray | None = None) -> float:
     """Median over `repeats` of the mean wall time of `steps` runs, after 3 warm-up runs. Inputs are bound
     once; a qwen2om decode graph's `cache_key/value.i` outputs are bound to their past inputs' buffers, as
-    its runtime does (the kernel then reads the cache in place); other outputs ONNX Runtime allocates."""
+    its runtime does (the kernel then reads the cache in place); other outputs ONNX Runtime allocates.
+    With `evict`, the median of single runs, each after a read of `evict`: weights that would stay in the
+    last-level cache between back-to-back runs (part of a set a few times its size does, on this machine's
+    EPYC) are read from memory, as in a whole decode step."""
     binding, keep = s.io_binding(), []
     for name, value in feeds.items():
         keep.append(ort.OrtValue.ortvalue_from_numpy(value))
@@ -133,6 +144,13 @@ def ms_per_step(s: ort.InferenceSession, feeds: dict[str, np.ndarray], steps: in
         s.run_with_iobinding(binding)
     times = []
     for _ in range(repeats):
+        if evict is not None:  # each run timed alone, after reading `evict` pushed its weights out of the caches
+            for _ in range(steps):
+                np.max(evict)
+                t0 = time.perf_counter()
+                s.run_with_iobinding(binding)
+                times.append((time.perf_counter() - t0) * 1e3)
+            continue
         t0 = time.perf_counter()
         for _ in range(steps):
             s.run_with_iobinding(binding)
@@ -157,6 +175,69 @@ def sweep_model(k: int, n: int, block: int, level: int, copies: int) -> bytes:
                              ).SerializeToString()
 
 
+def last_level_cache() -> int | None:
+    """Bytes of the largest CPU cache Linux reports (sysfs), or None."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=None)
+
+
+def eviction_buffer() -> np.ndarray:
+    """A buffer whose read pushes everything else out of the caches: 8 x the last-level cache (256 MiB if
+    Linux does not say)."""
+    return np.ones(8 * (last_level_cache() or 32 << 20), dtype=np.uint8)
+
+
+def by_shape(graph: Path, threads: int, steps: int, repeats: int) -> list[str]:
+    """Table rows: `graph`'s MatMulNBits grouped by (K, N, block_size), each group run alone, its caches evicted
+    before each run (28 layers of one shape are 30-90 MiB, a few times the last-level cache: timed back to
+    back, part of them is read from the cache and the group streams faster than it does in a decode step)."""
+    model = onnx.load_from_string(nbits_only(graph)[0])
+    groups: dict[tuple[int, int, int], list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        a = {x.name: x.i for x in n.attribute}
+        groups.setdefault((a["K"], a["N"], a["block_size"]), []).append(n)
+    rows, evict = [], eviction_buffer()
+    for (k, n, block), nodes in sorted(groups.items()):
+        needed = {x for node in nodes for x in node.input[1:] if x}
+        inits = [t for t in model.graph.initializer if t.name in needed]
+        g = helper.make_graph(nodes, "shape", [helper.make_tensor_value_info(f"x{k}", onnx.TensorProto.FLOAT,
+                                                                             [1, 1, k])],
+                              [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
+                               for node in nodes], inits)
+        s = session(helper.make_model(g, opset_imports=model.opset_import).SerializeToString(), threads)
+        x = {f"x{k}": np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)}
+        ms = ms_per_step(s, x, steps, repeats, evict)
+        nbytes = sum(onnx.numpy_helper.to_array(t).nbytes for t in inits)
+        rows.append(f"| {k} | {n} | {block} | {len(nodes)} | {nbytes / 2**20:,.1f} | {ms:.2f} | "
+                    f"{ms * 1e3 / len(nodes):.0f} | {nbytes / ms / 1e6:.1f} |")
+    return rows
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 4) -> float:
+    """Bytes/s read by `threads` Python threads each reducing its slice of an `nbytes` buffer (numpy releases
+    the GIL while it reduces), the best of `repeats` runs of `np.max` and of `np.count_nonzero`, the two
+    fastest of numpy's reductions here (an XOR reduce measured 30 % less: it is bound by its own loop). Reading
+    only, as a GEMV streams its weights: a lower bound on what a kernel could stream, the weights being far
+    larger than the caches."""
+    buf = np.ones(nbytes, dtype=np.uint8)
+    slices = np.array_split(buf, threads)
+    best = 0.0
+    for reduce in (np.max, np.count_nonzero):
+        for _ in range(repeats):
+            workers = [threading.Thread(target=reduce, args=(part,)) for part in slices]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = max(best, nbytes / (time.perf_counter() - t0))
+    return best
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("graphs", nargs="+", type=Path, help="decode graphs (.onnx, external data beside them)")
@@ -170,6 +251,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time one MatMulNBits shape per block size and level")
     p.add_argument("--sweep-shape", default="1024x6144", help="K x N of the sweep (default 1024x6144)")
     p.add_argument("--sweep-copies", type=int, default=40)
+    p.add_argument("--by-shape", action="store_true", help="also time each graph's MatMulNBits shape by shape")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also measure read bandwidth and the step a kernel streaming at that speed would leave")
     return p.parse_args(argv)
 
 
@@ -191,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         del whole  # one model's weights in memory at a time
         model, nb_feeds, count, nbytes = nbits_only(g)
         nb_ms = ms_per_step(session(model, a.threads), nb_feeds, a.steps, a.repeats)
-        steps.append((g, full_ms, nb_ms))
+        steps.append((g, full_ms, nb_ms, nbytes))
         name = f"{g.parent.name}/{g.name}"
         print(f"| {name} | {count} | {nbytes / 2**20:,.0f} | {full_ms:.2f} | {nb_ms:.2f} | {full_ms - nb_ms:.2f} "
               f"| {1e3 / full_ms:.1f} | {1e3 / nb_ms:.1f} |")
@@ -199,11 +283,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         ref = steps[a.reference - 1]
         need = ref[1] / a.target
         print(f"\n{a.target}x {ref[0].parent.name} ({ref[1]:.2f} ms/step) needs a step of {need:.2f} ms.")
-        for g, full_ms, nb_ms in steps:
+        for g, full_ms, nb_ms, _ in steps:
             if g != ref[0]:
                 print(f"{g.parent.name}: now {full_ms:.2f} ms ({ref[1] / full_ms:.2f}x); its MatMulNBits alone "
                       f"take {nb_ms:.2f} ms, so the rest of the step would have to fit in {need - nb_ms:.2f} ms "
                       f"(it takes {full_ms - nb_ms:.2f}).")
+    if a.by_shape:
+        for g in a.graphs:
+            print(f"\n{g.parent.name}: MatMulNBits by shape, each shape's nodes alone, {a.threads} threads\n")
+            print("| K | N | block | nodes | weights MiB | ms | µs per node | GB/s |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("\n".join(by_shape(g, a.threads, a.steps, a.repeats)))
+    if a.ceiling:
+        bw = read_bandwidth(a.threads)
+        print(f"\nmemory read bandwidth, {a.threads} threads (best of 8 reductions of 1 GiB): {bw / 1e9:.1f} GB/s\n")
+        print("| decode graph | MatMulNBits now: ms, GB/s | at the read bandwidth: ms | step left ms | tok/s |")
+        print("|---|---:|---:|---:|---:|")
+        for g, full_ms, nb_ms, nbytes in steps:
+            floor_ms = nbytes / bw * 1e3
+            best = full_ms - nb_ms + floor_ms
+            print(f"| {g.parent.name} | {nb_ms:.2f}, {nbytes / nb_ms / 1e6:.1f} | {floor_ms:.2f} | {best:.2f} "
+                  f"| {1e3 / best:.1f} |")
     if a.sweep:
         k, n = (int(x) for x in a.sweep_shape.lower().split("x"))
         print(f"\nMatMulNBits [1, {k}] x [{k}, {n}], {a.sweep_copies} distinct weights per run "
@@ -211,11 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("| accuracy_level | block 32 | block 64 | block 128 | block 256 |")
         print("|---|---:|---:|---:|---:|")
         x = {"x": np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)}
+        evict = eviction_buffer()
         for level in (4, 0):
             cells = []
             for block in (32, 64, 128, 256):
                 s = session(sweep_model(k, n, block, level, a.sweep_copies), a.threads)
-                us = ms_per_step(s, x, a.steps, a.repeats) * 1e3 / a.sweep_copies
+                us = ms_per_step(s, x, a.steps, a.repeats, evict) * 1e3 / a.sweep_copies
                 cells.append(f"{us:.0f} µs, {k * n / 2 / us / 1e3:.1f} GB/s")
             print(f"| {level} | " + " | ".join(cells) + " |")
     print(f"\nother processes used {load.percent_of_a_core():.0f} % of a core meanwhile")
