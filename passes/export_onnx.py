@@ -22,7 +22,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 import torch
 
-from qwen2om.errors import Qwen2omError
+from qwen2om.errors import Qwen2omError, caused_by_interrupt
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.replicate import TemplateError, layer_kinds, replicate_layers
 from qwen2om.signature import IOSpec, graph_io, token_axes
@@ -176,6 +176,8 @@ class ExportOnnx:
                 if graph is None:
                     graph = export(full, inputs, outputs, r.opset, gears)
             except Exception as e:  # the exporter's own errors are long; keep the first line
+                if caused_by_interrupt(e):
+                    raise KeyboardInterrupt from e
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e
             graphs[kind], sigs[kind] = graph, (inputs, outputs)

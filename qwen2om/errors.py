@@ -40,6 +40,19 @@ class Interrupted(Qwen2omError):
     label = "interrupted"
 
 
+def caused_by_interrupt(e: BaseException) -> bool:
+    """Whether a Ctrl-C is somewhere in `e`'s chain: libraries that catch everything (torch.export wraps
+    whatever its tracing raised in its own error) would otherwise turn an interrupt into a failure."""
+    seen: set[int] = set()
+    chain: BaseException | None = e
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, KeyboardInterrupt):
+            return True
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
 class DiskFullError(Qwen2omError):
     """The disk filled while writing; finished work is kept for --resume once space exists."""
 

@@ -200,3 +200,24 @@ def test_workers_above_the_core_count_are_capped(tmp_path, cli) -> None:
     assert f"--workers 4096 is more than the {available_cores()} cores available here; using" in err
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o2", *ARGS, "--workers", "0")
     assert code == 2 and "--workers must be at least 1" in err
+
+
+def test_ctrl_c_inside_the_exporter_is_an_interrupt(tmp_path, cli, monkeypatch) -> None:
+    """torch.export wraps whatever its tracing raised, a Ctrl-C included, in its own error: that was
+    reported as "torch.onnx.export failed" (exit 2) and the staging directory deleted."""
+    from qwen2om.passes import export_onnx
+
+    def export(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Failed to export the model with torch.export.") from e
+
+    monkeypatch.setattr(export_onnx, "export", export)
+    out = tmp_path / "out"
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, *ARGS)
+    assert code == 130 and "interrupted" in err and "export failed" not in err
+    assert partial_dir(out).is_dir() and not out.exists()
+    monkeypatch.undo()
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, *ARGS, "--resume")
+    assert code == 0, err
