@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from qwen2om.errors import Qwen2omError
+from qwen2om.errors import Qwen2omError, caused_by_interrupt
 from qwen2om.runtime.standalone import RuntimeInputError
 
 app = typer.Typer(
@@ -698,8 +698,12 @@ def main() -> None:
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        err.print("interrupted")
+        err.print("[yellow]interrupted[/]", highlight=False)
         sys.exit(130)
+    except SystemExit as e:  # typer turns a Ctrl-C inside a command into a silent exit 130
+        if e.code == 130 and caused_by_interrupt(e):
+            err.print("[yellow]interrupted[/]", highlight=False)
+        raise
 
 
 if __name__ == "__main__":

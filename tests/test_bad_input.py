@@ -225,3 +225,19 @@ def test_bad_recipe_override(cli, tmp_path) -> None:
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "max_seq=12")
     assert code != 0 and "max_seq" in err and "max_seq_len" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_in_a_command_says_interrupted(cli, tmp_path, monkeypatch) -> None:
+    """typer turns a Ctrl-C inside a command into a bare exit 130; the user saw the last progress line
+    and nothing else. Nothing is written."""
+    from qwen2om.quant import calibrate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate.Calibrator, "calibrate_layer", interrupted)
+    out = tmp_path / "q"
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--method", "gptq", "--num-samples", "2",
+                       "--seq-len", "32", "--group-size", "32")
+    assert code == 130 and err.rstrip().endswith("interrupted") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
