@@ -19,6 +19,7 @@ import onnx
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.onnxfile import check_external_data, initializer_sha256, load_graph
+from qwen2om.output import read_manifest
 
 LAYERED = re.compile(r"^(.*?)\.(\d+)$")  # past_key.3 → (past_key, 3)
 
@@ -47,7 +48,7 @@ def onnx_summary(path: Path, checksums: bool = False,
 
 
 def inspect_output(root: Path, checksums: bool = False) -> dict[str, Any]:
-    manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(root)
     graphs = {}
     cache: dict[tuple[str, int, int], str] = {}  # decode and prefill share their weights: hash each once
     for kind, spec in manifest["graphs"].items():
@@ -157,7 +158,7 @@ def check_graphs(path: Path | str, target: str, soc_version: str | None = None) 
     soc = soc_info(soc_version) if soc_version else None
     path = Path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        manifest = read_manifest(path)
         files = {kind: path / spec["file"] for kind, spec in manifest["graphs"].items()}
     elif path.is_file() and path.suffix == ".onnx":
         files = {path.name: path}

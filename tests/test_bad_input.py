@@ -241,3 +241,31 @@ def test_ctrl_c_in_a_command_says_interrupted(cli, tmp_path, monkeypatch) -> Non
                        "--seq-len", "32", "--group-size", "32")
     assert code == 130 and err.rstrip().endswith("interrupted") and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated data", "missing graph", "missing tokenizer", "corrupt manifest"])
+def test_a_damaged_output_is_named_not_a_traceback(converted, cli, tmp_path, damage: str) -> None:
+    """run / verify / eval read a damaged output directory through ONNX Runtime and tokenizers, whose
+    errors were tracebacks naming no file; each command now names the file and exits 2."""
+    out = tmp_path / "out"
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    if damage == "truncated data":
+        with open(out / "model.onnx.data", "r+b") as f:
+            f.truncate(100_000)
+        named = f"{out / 'model.onnx.data'} is 100,000 bytes, manifest.json says"
+    elif damage == "missing graph":
+        (out / "model.prefill.onnx").unlink()
+        named = f"{out / 'model.prefill.onnx'} is missing"
+    elif damage == "missing tokenizer":
+        (out / "tokenizer.json").unlink()
+        named = f"{out / 'tokenizer.json'} is missing"
+    else:
+        (out / "manifest.json").write_text("{")
+        named = f"{out / 'manifest.json'}: cannot read"
+    commands = [("run", out, "--prompt", "hi", "--max-new-tokens", "2"), ("verify", out, "--tokens", "2"),
+                ("eval", "ppl", out, "--dataset", "builtin:prose")]
+    if damage == "corrupt manifest":
+        commands.append(("inspect", out))
+    for command in commands:
+        code, _, err = cli(*command)
+        assert code == 2 and named in err and "Traceback" not in err, (command, err)

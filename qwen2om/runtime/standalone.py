@@ -55,6 +55,22 @@ STATE_ROLES = ("conv_state", "recurrent_state")
 PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
 
 
+def check_files(model_dir: Path, manifest: dict) -> None:
+    """The files ONNX Runtime will read (graphs, their external data, the tokenizer, scale inputs) are
+    there at the sizes manifest.json recorded: a damaged directory is named here, instead of failing
+    inside ONNX Runtime or tokenizers with a message that names no file."""
+    graphs = {spec["file"] for spec in manifest.get("graphs", {}).values()}
+    wanted = [f for f in manifest.get("files", []) if f["name"] in graphs or f["name"].endswith(".onnx.data")
+              or f["name"] in ("tokenizer.json", "scales.safetensors")]
+    for f in wanted:
+        path = model_dir / f["name"]
+        if not path.is_file():
+            raise RuntimeInputError(f"{path} is missing: {model_dir} is incomplete (convert again)")
+        if path.stat().st_size != f["bytes"]:
+            raise RuntimeInputError(f"{path} is {path.stat().st_size:,} bytes, manifest.json says {f['bytes']:,}: "
+                                    f"{model_dir} is damaged (convert again)")
+
+
 def cache_targets(spec: dict) -> list[tuple[dict, str]]:
     """Each present output of a graph, with the name of the past input its new tokens are appended to."""
     past = {(io["role"], io.get("layer")): io["name"] for io in spec["inputs"] if io["role"] in PAST_ROLES}
@@ -239,7 +255,8 @@ class _Graph:
                     f"{path.name} holds Ascend ops (converted with --target ascend), which ONNX Runtime cannot run "
                     "by itself: use `qwen2om run DIR` (it runs them on CPU through qwen2om's reference kernels), "
                     "or --backend acl on the Ascend host") from None
-            raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RuntimeInputError(f"ONNX Runtime cannot load {path}: {first}") from None
         self._keep: list[ort.OrtValue] = []
         shared = shared_caches(spec)
         # Every buffer but the caches is one allocation of the largest call, viewed at each gear's shape.
@@ -581,13 +598,21 @@ class Engine:
             raise RuntimeInputError(f"{self.dir}: no manifest.json (is this a qwen2om output directory?)")
         if backend not in ("ort", "acl"):
             raise BackendError(f"unknown backend {backend!r} (known: ort, acl)")
-        self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        try:
+            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RuntimeInputError(f"{manifest_path}: cannot read the manifest ({e})") from None
+        if backend == "ort":
+            check_files(self.dir, self.manifest)
         rt = self.manifest["runtime"]
         self.capacity, self.batch, self.vocab = int(rt["capacity"]), int(rt["batch"]), int(rt["vocab"])
         self.dtype = np.dtype(rt["dtype"])
         self.eos = set(rt.get("eos_token_ids", []))
         self.pad_id = int(rt.get("pad_token_id", 0))
         self.mask_min = float(np.finfo(self.dtype).min)
+        if not (self.dir / "tokenizer.json").is_file():
+            raise RuntimeInputError(f"{self.dir / 'tokenizer.json'} is missing: {self.dir} is incomplete "
+                                    "(convert again)")
         self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         specs = self.manifest["graphs"]
