@@ -187,16 +187,16 @@ def run(
     out: Annotated[Path, typer.Argument(help="a qwen2om output directory")],
     prompt: Annotated[str, typer.Option(help="text to continue")] = "Hello",
     ids: Annotated[str | None, typer.Option(help="comma-separated token ids instead of --prompt")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="stop after this many new tokens")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="stop after this many new tokens")] = 64,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the ChatML chat format")] = False,
-    system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
+    system: Annotated[str | None, typer.Option(help="system message (implies --chat)")] = None,
     greedy: Annotated[bool, typer.Option("--greedy", help="deterministic greedy decoding (= --temperature 0)")] = False,
     temperature: Annotated[float, typer.Option(help="sampling temperature (0 = greedy)")] = 0.7,
     top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (0 = all)")] = 20,
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 0.8,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     truncate: Annotated[bool, typer.Option("--truncate", help="drop the oldest prompt tokens if too long")] = False,
-    threads: Annotated[int, typer.Option(help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
+    threads: Annotated[int, typer.Option(min=0, help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="keep generating past EOS")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
     backend: Annotated[str, typer.Option(help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL (CANN) on an "
@@ -233,7 +233,7 @@ def verify(
                                                  "builtin:NAME); default: the one OUT was converted from, "
                                                  "as its manifest records it (an error if its files have "
                                                  "changed since)")] = None,
-    tokens: Annotated[int, typer.Option(help="greedy tokens generated per prompt")] = 32,
+    tokens: Annotated[int, typer.Option(min=1, help="greedy tokens generated per prompt")] = 32,
     prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
                                                      "prompts, one longer than a prefill chunk)")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
@@ -245,6 +245,8 @@ def verify(
     from qwen2om.verify import default_reference
     from qwen2om.verify import verify as run_verify
 
+    if json_file is not None and not json_file.parent.is_dir():  # found now, not after the whole comparison
+        raise Qwen2omError(f"--json {json_file}: no directory {json_file.parent} to write it in")
     reference = default_reference(out) if reference is None else reference
     with progress_bar() as progress:
         report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress,
@@ -264,7 +266,10 @@ def verify(
     out_console.print(f"{verdict}: max |Δlogits| {report.max_abs:.2e}, top-1 agreement {report.agreement:.1%} "
                       f"(tolerance: {limits})")
     if json_file:
-        json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        try:
+            json_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as e:
+            raise Qwen2omError(f"--json {json_file}: cannot write the report ({e.strerror or e})") from None
     if not report.passed:
         raise typer.Exit(1)
 
@@ -289,7 +294,8 @@ def calibrate(
                                                 "builtin:NAME[+NAME] (prose, code, chinese, chat); default "
                                                 "builtin:chat+prose+code")] = None,
     num_samples: Annotated[int | None, typer.Option(help="calibration samples (default 500)")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="tokens per sample (default 2048 or the model's limit)")] = None,
+    seq_len: Annotated[int | None, typer.Option(min=2, help="tokens per sample (default 2048 or the model's "
+                                                "limit)")] = None,
     batch_size: Annotated[int | None, typer.Option(help="samples per forward (default 1: least memory)")] = None,
     compute_dtype: Annotated[str | None, typer.Option(help="dtype of the layers' forward passes: float32 "
                                                       "(default), bfloat16, float16, or auto (the checkpoint's); "
@@ -578,8 +584,8 @@ eval_app = typer.Typer(help="Measure quality: perplexity, and agreement with a f
 app.add_typer(eval_app, name="eval")
 EVAL_DATASET = "builtin:prose"
 DatasetOpt = Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")]
-WindowOpt = Annotated[int, typer.Option(help="tokens per non-overlapping window")]
-WindowsOpt = Annotated[int, typer.Option(help="windows scored")]
+WindowOpt = Annotated[int, typer.Option(min=2, help="tokens per non-overlapping window")]
+WindowsOpt = Annotated[int, typer.Option(min=1, help="windows scored")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 
 

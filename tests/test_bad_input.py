@@ -269,3 +269,31 @@ def test_a_damaged_output_is_named_not_a_traceback(converted, cli, tmp_path, dam
     for command in commands:
         code, _, err = cli(*command)
         assert code == 2 and named in err and "Traceback" not in err, (command, err)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (("calibrate", "builtin:tiny-qwen3", "-o", "{tmp}/q", "--ignore", "["), "ignore pattern '[' is not a regular"),
+    (("calibrate", "builtin:tiny-qwen3", "-o", "{tmp}/q", "--seq-len", "0"), "--seq-len"),
+    (("eval", "ppl", "{out}", "--window", "0"), "--window"),
+    (("eval", "ppl", "{out}", "--max-windows", "0"), "--max-windows"),
+    (("verify", "{out}", "--tokens", "0"), "--tokens"),
+    (("verify", "{out}", "--json", "{tmp}/no/such/dir/r.json"), "no directory"),
+    (("run", "{out}", "--threads", "-2"), "--threads"),
+    (("run", "{out}", "--max-new-tokens", "-3"), "--max-new-tokens"),
+    (("run", "{out}", "--ids", ""), "give comma-separated integer token ids"),
+    (("run", "{out}", "--ids", "1,2,abc"), "'1,2,abc'"),
+])
+def test_out_of_range_numbers_and_bad_values_are_refused(converted, cli, tmp_path, args, named) -> None:
+    """Each was a traceback (--window 0, a bad --ignore regex, --json into a missing directory after the
+    whole comparison), silently accepted (--seq-len 0, --threads -2, --ids "") or a misleading message."""
+    out = converted("tiny-qwen3", "fp32")
+    code, _, err = cli(*(a.format(tmp=tmp_path, out=out) for a in args))
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_system_message_implies_chat(converted, cli) -> None:
+    code, stdout, err = cli("run", converted("tiny-qwen3", "fp32"), "--system", "be brief", "--prompt", "hi",
+                            "--json", "--greedy", "--max-new-tokens", "1")
+    assert code == 0, err
+    assert json.loads(stdout)["prompt_ids"][:1] == [151644]  # <|im_start|>: the ChatML system turn

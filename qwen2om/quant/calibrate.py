@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -139,6 +140,14 @@ def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple
         value = getattr(cfg, name)
         if not isinstance(value, kind) or isinstance(value, bool) or value < 1:
             raise CalibrationError(f"{name} must be a positive integer (got {value!r})")
+    if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool)
+                                    or cfg.seq_len < 2):
+        raise CalibrationError(f"seq_len must be an integer >= 2 (got {cfg.seq_len!r})")
+    for pattern in cfg.ignore:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise CalibrationError(f"ignore pattern {pattern!r} is not a regular expression ({e})") from None
     return cfg
 
 

@@ -56,12 +56,13 @@ PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
 
 
 def check_files(model_dir: Path, manifest: dict) -> None:
-    """The files ONNX Runtime will read (graphs, their external data, the tokenizer, scale inputs) are
-    there at the sizes manifest.json recorded: a damaged directory is named here, instead of failing
-    inside ONNX Runtime or tokenizers with a message that names no file."""
+    """The files ONNX Runtime will read (graphs, their external data, the tokenizer) are there at the sizes
+    manifest.json recorded: a damaged directory is named here, instead of failing inside ONNX Runtime or
+    tokenizers with a message that names no file. Not scales.safetensors: scales are inputs so that they
+    can be replaced, and `load_scales` names what a replaced file lacks."""
     graphs = {spec["file"] for spec in manifest.get("graphs", {}).values()}
     wanted = [f for f in manifest.get("files", []) if f["name"] in graphs or f["name"].endswith(".onnx.data")
-              or f["name"] in ("tokenizer.json", "scales.safetensors")]
+              or f["name"] == "tokenizer.json"]
     for f in wanted:
         path = model_dir / f["name"]
         if not path.is_file():
@@ -629,6 +630,9 @@ class Engine:
             self.graphs, self._release = open_acl(self.dir, specs, scales, device)
             return
         options = ort.SessionOptions()
+        # Errors only: ONNX Runtime's load-time notes (e.g. "could not find a CPU kernel and hence can't
+        # constant fold" for each layer of an int8-weight graph) are not the user's to act on.
+        options.log_severity_level = 3
         # Without prepacking, ONNX Runtime reads MatMul weights from the memory-mapped data file:
         # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
         if not rt.get("prepack_weights"):  # int4 models need prepacking: MatMulNBits is slow without it
@@ -812,7 +816,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ids", default=None, help="comma-separated token ids instead of --prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat format")
-    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--system", default=None, help="system message (implies --chat)")
     p.add_argument("--greedy", action="store_true", help="deterministic greedy decoding (= --temperature 0)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=20)
@@ -836,11 +840,20 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     a = p.parse_args(argv)
     if a.max_new_tokens < 0:
         p.error(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
+    if a.threads < 0:
+        p.error(f"--threads {a.threads} must be >= 0 (0: all cores)")
+    try:
+        ids = None if a.ids is None else [int(x) for x in a.ids.split(",")]
+    except ValueError:
+        print(f"error: --ids {a.ids!r}: give comma-separated integer token ids, e.g. --ids 9707,11", file=sys.stderr)
+        return 2
     engine = None
     try:
         sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)  # before a slow load
         engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device)
-        ids = [int(x) for x in a.ids.split(",")] if a.ids else engine.encode(a.prompt, chat=a.chat, system=a.system)
+        # A system message only exists in the chat format: --system implies --chat.
+        ids = ids if ids is not None else engine.encode(a.prompt, chat=a.chat or a.system is not None,
+                                                        system=a.system)
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
         out, stats = engine.generate(ids, max_new_tokens=a.max_new_tokens, sampling=sampling,
