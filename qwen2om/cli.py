@@ -43,6 +43,23 @@ out_console = Console()
 err = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from qwen2om.output import tool_versions
+
+        versions = tool_versions()
+        out_console.print(f"qwen2om {versions.pop('qwen2om')}", highlight=False)
+        out_console.print(", ".join(f"{k} {v}" for k, v in versions.items()), highlight=False, soft_wrap=True)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                   help="print qwen2om's version and its tools', then exit")]
+             = False) -> None:
+    pass
+
+
 class CountColumn(ProgressColumn):
     """`12/28` for counts, `1.2/6.8 GB` for a bar whose unit is bytes."""
 

@@ -183,6 +183,22 @@ def test_top_level_help_names_real_builtins(cli) -> None:
     assert code == 0 and len(named) >= 5 and named <= set(builtin_names()), named - set(builtin_names())
 
 
+def test_version_names_qwen2om_and_its_tools(cli) -> None:
+    import importlib.metadata
+
+    code, stdout, _ = cli("--version")
+    first, tools = stdout.splitlines()[:2]
+    assert code == 0 and first == f"qwen2om {importlib.metadata.version('qwen2om')}"
+    assert f"onnxruntime {importlib.metadata.version('onnxruntime')}" in tools
+
+
+def test_calibrate_takes_converts_dtype_spellings() -> None:
+    from qwen2om.quant.calibrate import calibration_config
+
+    assert [calibration_config(None, {"compute_dtype": d}).compute_dtype for d in ("fp16", "bf16", "fp32")] == [
+        "float16", "bfloat16", "float32"]
+
+
 def test_inspect_json_golden(cli, tiny: Path) -> None:
     code, stdout, err = cli("inspect", tiny, "--json")
     assert code == 0, err

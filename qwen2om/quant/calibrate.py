@@ -134,6 +134,9 @@ def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple
         cfg = CalibrationConfig(**settings)
     except TypeError as e:
         raise CalibrationError(f"calibration settings: {e}") from None
+    # convert's spellings too: `--dtype fp16` there, `--compute-dtype fp16` here
+    cfg.compute_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.compute_dtype,
+                                                                                      cfg.compute_dtype)
     if cfg.compute_dtype not in COMPUTE_DTYPES:
         raise CalibrationError(f"compute_dtype {cfg.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     for name, kind in (("group_size", int), ("num_samples", int), ("batch_size", int)):
