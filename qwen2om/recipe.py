@@ -98,6 +98,11 @@ class Recipe:
         elif self.soc_version:
             raise RecipeError(f"soc_version={self.soc_version!r} is for target=ascend (this recipe's target is "
                               f"{self.target}): add --target ascend")
+        # ATC's settings mean nothing to ONNX Runtime: refused, not recorded in a manifest they did not shape.
+        for field, default in (("precision", "origin"), ("compile", "auto")):
+            if self.target != "ascend" and getattr(self, field) != default:
+                raise RecipeError(f"{field}={getattr(self, field)!r} is for target=ascend (ATC); this recipe's "
+                                  f"target is {self.target}")
         for field in ("max_seq_len", "prefill_chunk", "batch_size"):
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):

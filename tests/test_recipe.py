@@ -34,6 +34,10 @@ def test_ascend_recipe_fields() -> None:
         apply_overrides(r, ["soc_version=Ascend310P3", "precision=bf16"])
     with pytest.raises(RecipeError, match="for target=ascend"):
         apply_overrides(load_recipe("qwen3-fp16"), ["soc_version=Ascend910B3"])
+    # ATC's settings on an ONNX Runtime conversion were accepted and recorded in the manifest
+    for setting in ("precision=fp16", "compile=dry-run"):
+        with pytest.raises(RecipeError, match=f"{setting.replace('=', '=.')}. is for target=ascend"):
+            apply_overrides(load_recipe("qwen3-fp32"), [setting])
 
 
 def test_auto_respects_model_limit() -> None:
