@@ -78,6 +78,10 @@ class Checkpoint:
             single = self.root / SINGLE_FILE
             shards = [single] if single.is_file() else sorted(self.root.glob("*.safetensors"))
             if not shards:
+                if (self.root / "manifest.json").is_file():
+                    raise CheckpointError(f"{self.root} is a qwen2om output directory (manifest.json, ONNX graphs), "
+                                          "not a checkpoint: give the checkpoint it was converted from, or "
+                                          f"`qwen2om run {self.root}` to use it")
                 raise CheckpointError(f"{self.root}: no *.safetensors weights and no {INDEX_FILE}")
             where = {}
             for shard in shards:

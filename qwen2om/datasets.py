@@ -185,6 +185,9 @@ def load_docs(spec: str) -> tuple[list[Any], str]:
         mixed = [d for group in zip_longest_drop(docs) for d in group]
         return mixed, spec
     path = Path(spec)
+    if path.is_dir():
+        raise DatasetError(f"{path} is a directory: --dataset takes a JSONL or text file, or "
+                           f"builtin:{'|'.join(BUILTIN)}")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found (or use builtin:{'|'.join(BUILTIN)})")
     docs_ = jsonl_docs(path) if path.suffix in (".jsonl", ".json") else text_docs(path)

@@ -297,3 +297,14 @@ def test_a_system_message_implies_chat(converted, cli) -> None:
                             "--json", "--greedy", "--max-new-tokens", "1")
     assert code == 0, err
     assert json.loads(stdout)["prompt_ids"][:1] == [151644]  # <|im_start|>: the ChatML system turn
+
+
+def test_paths_of_the_wrong_kind_say_what_they_are(converted, cli, tmp_path) -> None:
+    out = converted("tiny-qwen3", "fp32")
+    code, _, err = cli("convert", out / "config.json", "-o", tmp_path / "a")
+    assert code == 2 and "config.json is a file: give its directory" in err  # was ".../config.json/config.json"
+    code, _, err = cli("convert", out, "-o", tmp_path / "a")
+    assert code == 2 and "is a qwen2om output directory" in err and f"qwen2om run {out}" in err
+    code, _, err = cli("eval", "ppl", out, "--dataset", tmp_path)
+    assert code == 2 and f"{tmp_path} is a directory" in err
+    assert not (tmp_path / "a").exists()
