@@ -25,6 +25,7 @@ int4 weights is refused with the fix named.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -39,6 +40,12 @@ from qwen2om.passes.lower_int4 import NBITS_SCALE
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
+
+
+def node_scope(module: str) -> str:
+    """`model.layers.3.self_attn.q_proj` → `/model/layers.3/self_attn/q_proj`: the exporter's naming, which
+    every other pass (and keep_dtype.cfg) uses, so one layer's nodes sort and grep together."""
+    return "/" + re.sub(r"/(\d+)(?=/|$)", r".\1", module.replace(".", "/"))
 
 
 @register
@@ -91,7 +98,7 @@ class LowerInt4Ascend:
     def operands(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, ckpt: Any, weights: Any,
                  bindings: dict[str, WeightRef]) -> tuple[ir.Value, ir.Value | None]:
         """S [K/g, N] (via a Transpose of the checkpoint-shaped [N, K/g] initializer) and offset = −zp."""
-        p = f"/{q.base.replace('.', '/')}"
+        p = node_scope(q.base)
         s = derived_initializer(graph, bindings, weights, f"{q.base}{NBITS_SCALE}", ir.DataType.FLOAT16,
                                 [q.n, q.k // q.group], lambda q=q: q.unpacked(ckpt)[1].to(torch.float16))
         scale = self.op(nodes, f"{p}/scale/Transpose", "Transpose", s, perm=[1, 0])
@@ -105,7 +112,7 @@ class LowerInt4Ascend:
 
     def wqbmm(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
               bindings: dict[str, WeightRef]) -> ir.Value:
-        p = f"/{q.base.replace('.', '/')}"
+        p = node_scope(q.base)
         words = -(-q.n // 8)
         packed = derived_initializer(graph, bindings, weights, f"{q.base}.weight_int4x8", ir.DataType.INT32,
                                      [q.k, words], lambda q=q: torch.from_numpy(
@@ -128,7 +135,7 @@ class LowerInt4Ascend:
 
     def antiquant(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
                   bindings: dict[str, WeightRef]) -> ir.Value:
-        p = f"/{q.base.replace('.', '/')}"
+        p = node_scope(q.base)
         stored = derived_initializer(graph, bindings, weights, f"{q.base}.weight_int8", ir.DataType.INT8,
                                      [q.k, q.n], lambda q=q: q.unpacked(ckpt)[0].T.contiguous())
         w = self.op(nodes, f"{p}/AscendAntiQuant", "AscendAntiQuant", stored, scale=1.0, offset=0.0, dtype=1,

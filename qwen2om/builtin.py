@@ -37,9 +37,6 @@ def resolve_model(model: str | Path) -> Path:
     """A checkpoint directory for `model`: a path as given, or a built (cached) builtin."""
     text = str(model)
     if not text.startswith(PREFIX):
-        if Path(text).is_file():
-            raise Qwen2omError(f"{text} is a file: give its directory, a checkpoint (config.json + *.safetensors), "
-                               "or builtin:NAME")
         return Path(text)
     name = text[len(PREFIX):]
     from qwen2om.fixtures import trained

@@ -453,7 +453,8 @@ def inspect(
         out_console.print(f"  initializers: {weights}")
         if g.get("external_data"):
             data = ", ".join(f"{f} {fmt_bytes(n)}" for f, n in g["external_data"].items())
-            out_console.print(f"  external data (not read): {data}")
+            read = "read for --checksums" if "checksums" in g else "not read"
+            out_console.print(f"  external data ({read}): {data}")
         if "checksums" in g:
             combined = hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(g["checksums"].items())).encode())
             out_console.print(f"  weights sha256: {len(g['checksums'])} initializers hashed, combined "
@@ -487,13 +488,15 @@ def print_quantized_modules(info: dict[str, Any]) -> None:
     """A quantised checkpoint's weights by module (layers folded), and how it was made."""
     qc = info.get("quantization_config") or {}
     made = qc.get("qwen2om") or {}
-    how = " · ".join(str(v) for v in (qc.get("quant_method"), qc.get("format"), made.get("method"),
-                                      made.get("dataset")) if v)
+    # an ascendv1 checkpoint says what it is in quant_model_description.json, not in config.json
+    fmt = qc.get("format") or " · ".join(f for f in info.get("formats", []) if f != "compressed-tensors")
+    how = " · ".join(str(v) for v in (qc.get("quant_method"), fmt, made.get("method"), made.get("dataset")) if v)
     table = Table(title=f"quantised weights ({how})" if how else "quantised weights")
-    for col in ("module", "scheme", "block", "count"):
+    for col in ("module", "scheme", "block", "zero point", "count"):
         table.add_column(col, justify="right" if col == "count" else "left")
     for row in info["quantized_modules"]:
-        table.add_row(row["module"], row["scheme"], "×".join(map(str, row["block"])), str(row["count"]))
+        zero = {True: "none (symmetric)", False: "yes (asymmetric)"}.get(row.get("symmetric"), "-")
+        table.add_row(row["module"], row["scheme"], "×".join(map(str, row["block"])), zero, str(row["count"]))
     out_console.print(table)
     ignored = qc.get("ignore") or qc.get("modules_to_not_convert")
     if ignored:

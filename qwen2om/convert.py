@@ -13,7 +13,7 @@ import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import read_json
-from qwen2om.errors import DiskFullError, Interrupted, RecipeError
+from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, RecipeError
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
@@ -40,6 +40,9 @@ class ConvertResult:
 
 def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tuple[Recipe, ModelDims]:
     """The recipe for this checkpoint: named/file, or `<family>-<dtype>`; overrides; autos resolved."""
+    if source.is_file():
+        raise CheckpointError(f"{source} is a file: give its directory, a checkpoint (config.json + *.safetensors), "
+                              "or builtin:NAME")
     cfg_path = source / "config.json"
     cfg = read_json(cfg_path, "config.json")
     arch = resolve_arch(cfg, str(cfg_path))

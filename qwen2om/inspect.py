@@ -70,12 +70,13 @@ NUMBERED = re.compile(r"\.\d+\.")  # model.layers.3.mlp.experts.7.up_proj → mo
 def quantized_modules(scales: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The quantised weights grouped by module, layer and expert numbers folded: one row per
     (module, scheme, block), in checkpoint order."""
-    rows: dict[tuple[str, str, tuple[int, ...]], int] = {}
+    rows: dict[tuple[str, str, tuple[int, ...], bool | None], int] = {}
     for s in scales:
         module = NUMBERED.sub(".N.", s["weight"]).removesuffix(".weight")
-        key = (module, s["scheme"], tuple(s["block"]))
+        key = (module, s["scheme"], tuple(s["block"]), s.get("symmetric"))
         rows[key] = rows.get(key, 0) + 1
-    return [{"module": m, "scheme": k, "block": list(b), "count": n} for (m, k, b), n in rows.items()]
+    return [{"module": m, "scheme": k, "block": list(b), "symmetric": sym, "count": n}
+            for (m, k, b, sym), n in rows.items()]
 
 
 def inspect_checkpoint(root: Path, checksums: bool = False) -> dict[str, Any]:
@@ -85,12 +86,15 @@ def inspect_checkpoint(root: Path, checksums: bool = False) -> dict[str, Any]:
     ckpt = Checkpoint(root)
     try:
         kinds = collections.Counter(q.kind for q in ckpt.quantized.values())
+        # `symmetric` only where the format has a zero point to omit (int4); FP8 scales are symmetric by design
         scales = [{"weight": q.name, "scale": q.scale_name, "shape": list(q.scale_shape), "scheme": q.kind,
-                   "block": list(q.block)} for q in ckpt.quantized.values()]
+                   "block": list(q.block), **({"symmetric": q.symmetric} if hasattr(q, "symmetric") else {})}
+                  for q in ckpt.quantized.values()]
+        formats = sorted({q.fmt for q in ckpt.quantized.values() if hasattr(q, "fmt")})
         return {"kind": "checkpoint", "path": str(root), "model_type": ckpt.config.get("model_type"),
                 "architecture": ckpt.arch.name, "layers": ckpt.dims.layers, "hidden": ckpt.dims.hidden,
                 "quantization_config": ckpt.config.get("quantization_config"), "quantized": dict(kinds),
-                "scales": scales, "quantized_modules": quantized_modules(scales),
+                "scales": scales, "quantized_modules": quantized_modules(scales), "formats": formats,
                 "shards": [str(p.relative_to(root)) for p in ckpt.shards], "tensors": len(ckpt.names()),
                 **({"checksums": {str(p.relative_to(root)): sha256_file(p) for p in ckpt.shards}}
                    if checksums else {})}

@@ -425,10 +425,12 @@ def test_inspect_lists_the_quantised_modules(calibrated, cli) -> None:
     assert set(rows) == {f"model.layers.N.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                                                           "mlp.down_proj")}
-    assert {(r["scheme"], tuple(r["block"]), r["count"]) for r in rows.values()} == {("int4", (1, 32), 4)}
+    assert {(r["scheme"], tuple(r["block"]), r["symmetric"], r["count"]) for r in rows.values()} == {
+        ("int4", (1, 32), True, 4)}
     code, stdout, _ = cli("inspect", calibrated["gptq"])
     text = " ".join(stdout.split())
-    assert code == 0 and "quantised weights: 28 int4" in text and "model.layers.N.mlp.down_proj │ int4 │ 1×32" in text
+    assert code == 0 and "quantised weights: 28 int4" in text
+    assert "model.layers.N.mlp.down_proj │ int4 │ 1×32 │ none (symmetric)" in text
     assert "kept float by the checkpoint's config: lm_head" in text
 
 
