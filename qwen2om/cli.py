@@ -516,11 +516,16 @@ def print_check(path: str, target: str, soc_version: str | None, as_json: bool) 
         out_console.print(f"[green]✓[/] {path}: no construct ATC is known to reject ({', '.join(found)})")
     else:
         table = Table(title=f"{path}: {total} construct(s) ATC would reject")
-        for col in ("graph", "node / tensor", "what", "why"):
-            table.add_column(col, overflow="fold")
+        for col in ("graph", "count", "nodes / tensors", "what", "why"):
+            table.add_column(col, overflow="fold", justify="right" if col == "count" else "left")
         for kind, items in found.items():
+            # One row per kind of problem: a layer-by-layer model repeats each one per layer (--json lists all).
+            groups: dict[tuple[str, str], list[str]] = {}
             for p in items:
-                table.add_row(kind, p["where"], p["what"], p["reason"])
+                groups.setdefault((p["what"], p["reason"]), []).append(p["where"])
+            for (what, why), where in groups.items():
+                shown = where[0] + (f", … ({len(where) - 1} more)" if len(where) > 1 else "")
+                table.add_row(kind, str(len(where)), shown, what, why)
         out_console.print(table)
     if total:
         raise typer.Exit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_unknown_soc_and_int4_in_fp32(w4, tmp_path: Path, cli) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_checker_lists_every_problem(tmp_path: Path, cli, converted) -> None:
+def test_checker_lists_every_problem(tmp_path: Path, cli, converted, monkeypatch) -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
     nodes = [helper.make_node("Trilu", ["x"], ["t"], name="mask/Trilu"),
              helper.make_node("Cast", ["t"], ["q"], to=TensorProto.INT8, name="q/Cast"),
@@ -168,6 +169,14 @@ def test_checker_lists_every_problem(tmp_path: Path, cli, converted) -> None:
     assert {p["what"] for p in problems} == {
         "domain com.microsoft", "com.microsoft::GroupQueryAttention", "com.microsoft::RotaryEmbedding",
         "com.microsoft::SkipSimplifiedLayerNormalization"}
+    # The table folds the repeats: one row per graph and kind of problem, with its count (was a row a node).
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stdout, _ = cli("inspect", ort_out, "--check", "ascend")
+    rows = [line for line in stdout.splitlines() if "com.microsoft::GroupQueryAttention" in line]
+    layers = sum(p["what"] == "com.microsoft::GroupQueryAttention" for p in json.loads(
+        cli("inspect", ort_out, "--check", "ascend", "--json")[1])["problems"]["decode"])
+    assert code == 1 and len(rows) == 2  # decode and prefill
+    assert re.search(rf"│\s+{layers} │", rows[0]) and f"({layers - 1} more)" in rows[0]
 
 
 def fake_atc(bin_dir: Path, body: str) -> None:
