@@ -69,7 +69,7 @@ NUMBERED = re.compile(r"\.\d+\.")  # model.layers.3.mlp.experts.7.up_proj → mo
 
 def quantized_modules(scales: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The quantised weights grouped by module, layer and expert numbers folded: one row per
-    (module, scheme, block), in checkpoint order."""
+    (module, scheme, block, symmetric), in checkpoint order."""
     rows: dict[tuple[str, str, tuple[int, ...], bool | None], int] = {}
     for s in scales:
         module = NUMBERED.sub(".N.", s["weight"]).removesuffix(".weight")
