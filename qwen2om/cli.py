@@ -167,6 +167,10 @@ def convert(
                        ("soc_version", soc_version), ("precision", precision), ("gears", gears),
                        ("compile", "dry-run" if dry_run else None)):
         if value is not None:
+            given = [o.partition("=")[2].strip() for o in set_ or [] if o.partition("=")[0].strip() == key]
+            if given and given[-1] != str(value):
+                flag = "--dry-run" if key == "compile" else f"--{key.replace('_', '-')} {value}"
+                note(f"{flag} overrides --set {key}={given[-1]}")
             overrides.append(f"{key}={value}")
     with progress_bar(not as_json) as progress:
         result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,

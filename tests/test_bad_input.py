@@ -308,3 +308,11 @@ def test_paths_of_the_wrong_kind_say_what_they_are(converted, cli, tmp_path) -> 
     code, _, err = cli("eval", "ppl", out, "--dataset", tmp_path)
     assert code == 2 and f"{tmp_path} is a directory" in err
     assert not (tmp_path / "a").exists()
+
+
+def test_a_flag_overriding_a_set_says_so(cli, tmp_path) -> None:
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "dtype=fp16", "--dtype", "fp32",
+                       "--set", "max_seq_len=64", "--set", "prefill_chunk=16")
+    assert code == 0, err
+    assert "--dtype fp32 overrides --set dtype=fp16" in " ".join(err.split())
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["recipe"]["dtype"] == "fp32"
