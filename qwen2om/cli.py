@@ -193,6 +193,8 @@ def convert(
     files.add_column("size", justify="right")
     for f in m["files"]:
         files.add_row(f["name"], fmt_bytes(f["bytes"]))
+    # the manifest lists every file but itself
+    files.add_row("manifest.json", fmt_bytes((out / "manifest.json").stat().st_size))
     out_console.print(files)
     rt = m["runtime"]
     shapes = [f"{k} (T={g['tokens']}" + (f", gears {','.join(map(str, g['gears']))})" if g.get("gears") else ")")

@@ -311,8 +311,9 @@ def test_paths_of_the_wrong_kind_say_what_they_are(converted, cli, tmp_path) -> 
 
 
 def test_a_flag_overriding_a_set_says_so(cli, tmp_path) -> None:
-    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "dtype=fp16", "--dtype", "fp32",
-                       "--set", "max_seq_len=64", "--set", "prefill_chunk=16")
+    code, stdout, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "dtype=fp16", "--dtype",
+                            "fp32", "--set", "max_seq_len=64", "--set", "prefill_chunk=16")
     assert code == 0, err
     assert "--dtype fp32 overrides --set dtype=fp16" in " ".join(err.split())
+    assert "manifest.json" in stdout  # the files-written table lists it too (the manifest omits itself)
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["recipe"]["dtype"] == "fp32"
