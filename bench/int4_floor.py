@@ -12,8 +12,7 @@ and with the same `--threads`:
    no graph surgery can remove while the int4 weights go through ONNX Runtime's kernel;
 3. with `--sweep`, one `[1, K] x [K, N]` MatMulNBits shape over `--sweep-copies` distinct random weights
    (more than the L3 cache holds, and the caches evicted before each run, so weights stream from memory, as
-   in decode) at each block size and
-   accuracy level: the kernel's int4 throughput;
+   in decode) at each block size and accuracy level: the kernel's int4 throughput;
 4. with `--by-shape`, each graph's MatMulNBits grouped by shape (K, N, block), each group timed alone: which
    shapes stream their weights slower (the caches evicted before each run);
 5. with `--ceiling`, this machine's memory read bandwidth with `--threads` threads, and from it the least
@@ -177,10 +176,9 @@ def sweep_model(k: int, n: int, block: int, level: int, copies: int) -> bytes:
 
 def last_level_cache() -> int | None:
     """Bytes of the largest CPU cache Linux reports (sysfs), or None."""
-    sizes = []
+    sizes, units = [], {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=None)
 
@@ -191,11 +189,12 @@ def eviction_buffer() -> np.ndarray:
     return np.ones(8 * (last_level_cache() or 32 << 20), dtype=np.uint8)
 
 
-def by_shape(graph: Path, threads: int, steps: int, repeats: int) -> list[str]:
-    """Table rows: `graph`'s MatMulNBits grouped by (K, N, block_size), each group run alone, its caches evicted
-    before each run (28 layers of one shape are 30-90 MiB, a few times the last-level cache: timed back to
-    back, part of them is read from the cache and the group streams faster than it does in a decode step)."""
-    model = onnx.load_from_string(nbits_only(graph)[0])
+def by_shape(nbits_model: bytes, threads: int, steps: int, repeats: int) -> list[str]:
+    """Table rows: the MatMulNBits of `nbits_model` (`nbits_only`'s) grouped by (K, N, block_size), each group
+    run alone, its caches evicted before each run (28 layers of one shape are 30-90 MiB, a few times the
+    last-level cache: timed back to back, part of them is read from the cache and the group streams faster
+    than it does in a decode step)."""
+    model = onnx.load_from_string(nbits_model)
     groups: dict[tuple[int, int, int], list[onnx.NodeProto]] = {}
     for n in model.graph.node:
         a = {x.name: x.i for x in n.attribute}
@@ -268,13 +267,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| decode graph | MatMulNBits nodes | their weights MiB | whole step ms | MatMulNBits only ms "
           "| the rest ms | tok/s | tok/s with MatMulNBits only |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    steps = []
+    steps, shape_rows = [], {}
     for g in a.graphs:
         whole = session(str(g), a.threads)
         full_ms = ms_per_step(whole, step_feeds(whole, g, a.past), a.steps, a.repeats)
         del whole  # one model's weights in memory at a time
         model, nb_feeds, count, nbytes = nbits_only(g)
         nb_ms = ms_per_step(session(model, a.threads), nb_feeds, a.steps, a.repeats)
+        if a.by_shape:  # while this graph's weights are loaded (one graph's at a time)
+            shape_rows[g] = by_shape(model, a.threads, a.steps, a.repeats)
         steps.append((g, full_ms, nb_ms, nbytes))
         name = f"{g.parent.name}/{g.name}"
         print(f"| {name} | {count} | {nbytes / 2**20:,.0f} | {full_ms:.2f} | {nb_ms:.2f} | {full_ms - nb_ms:.2f} "
@@ -288,12 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{g.parent.name}: now {full_ms:.2f} ms ({ref[1] / full_ms:.2f}x); its MatMulNBits alone "
                       f"take {nb_ms:.2f} ms, so the rest of the step would have to fit in {need - nb_ms:.2f} ms "
                       f"(it takes {full_ms - nb_ms:.2f}).")
-    if a.by_shape:
-        for g in a.graphs:
-            print(f"\n{g.parent.name}: MatMulNBits by shape, each shape's nodes alone, {a.threads} threads\n")
-            print("| K | N | block | nodes | weights MiB | ms | µs per node | GB/s |")
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-            print("\n".join(by_shape(g, a.threads, a.steps, a.repeats)))
+    for g, rows in shape_rows.items():
+        print(f"\n{g.parent.name}: MatMulNBits by shape, each shape's nodes alone, {a.threads} threads\n")
+        print("| K | N | block | nodes | weights MiB | ms | µs per node | GB/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(rows))
     if a.ceiling:
         bw = read_bandwidth(a.threads)
         print(f"\nmemory read bandwidth, {a.threads} threads (best of 8 reductions of 1 GiB): {bw / 1e9:.1f} GB/s\n")
