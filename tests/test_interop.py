@@ -69,5 +69,9 @@ def test_llmcompressor_own_dequantisation_agrees(llmcompressor_ckpt, tmp_path) -
     with torch.no_grad():
         ref = theirs(torch.tensor([ids])).logits[0, -1].numpy()
     ours = engine.prefill([ids])[0]
-    assert int(np.argmax(ours)) == int(np.argmax(ref))
     assert float(np.abs(ours - ref).max()) <= 5e-2
+    # Same argmax follows from the bound only if the reference's top two are further apart than
+    # twice it: asserted, so a near-tie shows as what it is rather than as a flipped token.
+    top2 = np.sort(ref)[-2:]
+    assert top2[1] - top2[0] > 2 * 5e-2, f"reference top-2 margin {top2[1] - top2[0]:.3g}"
+    assert int(np.argmax(ours)) == int(np.argmax(ref))

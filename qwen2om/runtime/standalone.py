@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -190,9 +191,15 @@ class Stats:
         return steps / self.decode_s if self.decode_s else 0.0
 
     def line(self) -> str:
-        return (f"prefill {self.prompt_tokens} tok in {self.prefill_s * 1000:.0f} ms "
-                f"({self.prefill_tps:.1f} tok/s, time to first token {self.prefill_s * 1000:.0f} ms) | "
-                f"decode {self.new_tokens} tok at {self.decode_tps:.1f} tok/s | stop: {self.stop}")
+        """Speeds for the work done only: none when nothing ran (--max-new-tokens 0), no decode speed
+        when the one new token came from the prefill."""
+        if not self.new_tokens:
+            return f"prompt {self.prompt_tokens} tok, nothing generated (no graph run) | stop: {self.stop}"
+        prefill = (f"prefill {self.prompt_tokens} tok in {self.prefill_s * 1000:.0f} ms "
+                   f"({self.prefill_tps:.1f} tok/s, time to first token {self.prefill_s * 1000:.0f} ms)")
+        decode = (f"decode {self.new_tokens} tok at {self.decode_tps:.1f} tok/s" if self.new_tokens > 1
+                  else "1 tok, from the prefill (no decode step)")
+        return f"{prefill} | {decode} | stop: {self.stop}"
 
 
 # Prompts of at most (smallest prefill chunk // SHORT_PROMPT) tokens are fed through the decode graph.
@@ -637,6 +644,8 @@ class Engine:
         # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
         if not rt.get("prepack_weights"):  # int4 models need prepacking: MatMulNBits is slow without it
             options.add_session_config_entry("session.disable_prepacking", "1")
+        # QWEN2OM_THREADS sets the default for every engine at once (CI runs the numerics tests on 1 thread).
+        threads = threads or int(os.environ.get("QWEN2OM_THREADS") or 0)
         if threads:
             options.intra_op_num_threads = threads
         self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
@@ -823,7 +832,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens when it does not fit")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = all cores)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads (0 = $QWEN2OM_THREADS, else all cores)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--backend", choices=("ort", "acl"), default="ort",
