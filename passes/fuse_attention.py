@@ -190,64 +190,70 @@ class FuseAttention:
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         dims = ws.need("checkpoint").dims
         ws["attention_fused"] = True
-        fused = kept = rotary = shared = 0
+        # Per graph (decode_fused_layers=4, prefill_fused_layers=4): a sum read 8 layers in a 4-layer model.
+        stats: dict[str, int | float | str] = {}
         for kind, model in ws.need("graphs").items():
-            graph = model.graph
-            here_rotary = self.fuse_rotary(graph, ctx, kind)
-            rotary += here_rotary
-            if here_rotary:
-                model.opset_imports[MS_DOMAIN] = 1
-                sweep(graph)
-            found = regions(graph, SCOPE)
-            mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-            if not found or mask is None or mask.shape is None or not isinstance(mask.shape[0], int):
+            here = self.fuse_graph(ws, ctx, kind, model, dims)
+            stats |= {f"{kind}_{k}": n for k, n in here.items() if n or k != "shared_cache_layers"}
+        changed = any(n for k, n in stats.items() if k.endswith(("_fused_layers", "_rotary_layers")))
+        return PassResult(changed, stats)
+
+    def fuse_graph(self, ws: Workspace, ctx: RunContext, kind: str, model: ir.Model, dims: object
+                   ) -> dict[str, int]:
+        """Fuse one graph's rotary embeddings and attention layers; returns how many layers of it were
+        fused, kept in standard ops, given a rotary kernel, and read their cache in place."""
+        graph = model.graph
+        counts = dict.fromkeys(("fused_layers", "kept_layers", "rotary_layers", "shared_cache_layers"), 0)
+        counts["rotary_layers"] = self.fuse_rotary(graph, ctx, kind)
+        if counts["rotary_layers"]:
+            model.opset_imports[MS_DOMAIN] = 1
+            sweep(graph)
+        found = regions(graph, SCOPE)
+        mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+        if not found or mask is None or mask.shape is None or not isinstance(mask.shape[0], int):
+            return counts
+        b, t, pt = mask.shape[0], mask.shape[2], mask.shape[3]
+        # With prefill gears T is symbolic ("T", the mask's last axis "T+P"): P is the cache's length.
+        p = pt - t if isinstance(t, int) else next(
+            (v.shape[2] for v in graph.inputs if v.name.startswith("past_key") and v.shape is not None), None)
+        if not isinstance(p, int):
+            return counts
+        if b > 1 and (not isinstance(t, int) or t > 1):
+            # ONNX Runtime 1.32: "batch_size must be 1 when sequence_length > 1 and past context is given".
+            ctx.log(f"{kind} graph: attention left in standard ops: the kernel takes a chunk with a "
+                    f"cache only at batch 1 (this graph: batch {b}, {t} tokens)")
+            counts["kept_layers"] = len(found)
+            return counts
+        lengths: Lengths | None = None
+        for layer, region in found.items():
+            # Nodes computing constants may be shared with other layers after the exporter's
+            # CSE: they stay, and go only if nothing else reads them.
+            constants = [n for n in region if all(constant(v) for v in n.inputs)]
+            nodes = [n for n in region if n not in constants]
+            roles = self.roles(graph, nodes, mask)
+            if isinstance(roles, str):
+                ctx.log(f"{kind} graph, layer {layer}: attention left in standard ops: {roles}")
+                counts["kept_layers"] += 1
                 continue
-            b, t, pt = mask.shape[0], mask.shape[2], mask.shape[3]
-            # With prefill gears T is symbolic ("T", the mask's last axis "T+P"): P is the cache's length.
-            p = pt - t if isinstance(t, int) else next(
-                (v.shape[2] for v in graph.inputs if v.name.startswith("past_key") and v.shape is not None), None)
-            if not isinstance(p, int):
-                continue
-            if b > 1 and (not isinstance(t, int) or t > 1):
-                # ONNX Runtime 1.32: "batch_size must be 1 when sequence_length > 1 and past context is given".
-                ctx.log(f"{kind} graph: attention left in standard ops: the kernel takes a chunk with a "
-                        f"cache only at batch 1 (this graph: batch {b}, {t} tokens)")
-                kept += len(found)
-                continue
-            lengths: Lengths | None = None
-            here = 0
-            for layer, region in found.items():
-                # Nodes computing constants may be shared with other layers after the exporter's
-                # CSE: they stay, and go only if nothing else reads them.
-                constants = [n for n in region if all(constant(v) for v in n.inputs)]
-                nodes = [n for n in region if n not in constants]
-                roles = self.roles(graph, nodes, mask)
-                if isinstance(roles, str):
-                    ctx.log(f"{kind} graph, layer {layer}: attention left in standard ops: {roles}")
-                    kept += 1
-                    continue
-                if lengths is None:
-                    first = next(n for n in graph if n.name and SCOPE.match(n.name))
-                    lengths = Lengths(graph, mask, first, p, t)
-                share = self.share_cache and t == 1
-                self.fuse(graph, layer, nodes, roles, lengths, dims, share=share)
-                if share:  # the signature lists the cache outputs as the past inputs, renamed
-                    inputs, outputs = ws["signatures"][kind]
-                    spec = {s.name: s for s in inputs}
-                    outputs += [dataclasses.replace(spec[roles[r].name], name=cache_name(roles[r].name), role=role)
-                                for r, role in (("past_k", ROLE_CACHE_KEY), ("past_v", ROLE_CACHE_VALUE))]
-                    shared += 1
-                for n in reversed(constants):
-                    if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                        graph.remove(n, safe=True)
-                here += 1
-            fused += here
-            if here:
-                model.opset_imports[MS_DOMAIN] = 1
-            if here:
-                sweep(graph)
-        stats = {"fused_layers": fused, "kept_layers": kept, "rotary_layers": rotary}
-        return PassResult(fused + rotary > 0, stats | ({"shared_cache_layers": shared} if shared else {}))
+            if lengths is None:
+                first = next(n for n in graph if n.name and SCOPE.match(n.name))
+                lengths = Lengths(graph, mask, first, p, t)
+            share = self.share_cache and t == 1
+            self.fuse(graph, layer, nodes, roles, lengths, dims, share=share)
+            if share:  # the signature lists the cache outputs as the past inputs, renamed
+                inputs, outputs = ws["signatures"][kind]
+                spec = {s.name: s for s in inputs}
+                outputs += [dataclasses.replace(spec[roles[r].name], name=cache_name(roles[r].name), role=role)
+                            for r, role in (("past_k", ROLE_CACHE_KEY), ("past_v", ROLE_CACHE_VALUE))]
+                counts["shared_cache_layers"] += 1
+            for n in reversed(constants):
+                if not any(v.uses() or v.is_graph_output() for v in n.outputs):
+                    graph.remove(n, safe=True)
+            counts["fused_layers"] += 1
+        if counts["fused_layers"]:
+            model.opset_imports[MS_DOMAIN] = 1
+            sweep(graph)
+        return counts
 
     @staticmethod
     def fuse_rotary(graph: ir.Graph, ctx: RunContext, kind: str) -> int:

@@ -48,14 +48,16 @@ class FuseInt4:
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         weights, bindings = ws.need("weights")
         ws["int4_fused"] = True
-        groups = nodes = 0
-        for model in ws.need("graphs").values():
+        stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer's groups twice
+        for kind, model in ws.need("graphs").items():
             graph = model.graph
+            groups = nodes = 0
             for members in candidates(graph, weights):
                 fuse(graph, members, weights, bindings)
                 groups += 1
                 nodes += len(members)
-        return PassResult(groups > 0, {"fused_groups": groups, "fused_nodes": nodes})
+            stats |= {f"{kind}_fused_groups": groups, f"{kind}_fused_nodes": nodes}
+        return PassResult(any(stats.values()), stats)
 
 
 def candidates(graph: ir.Graph, weights: Weights) -> list[list[ir.Node]]:

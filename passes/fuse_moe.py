@@ -104,9 +104,10 @@ class FuseMoe:
         weights, bindings = ws.need("weights")
         ckpt = self.ckpt = ws.need("checkpoint")
         ws["moe_fused"] = True
-        fused = kept = quantized = 0
+        stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer twice
         for kind, model in ws.need("graphs").items():
             graph = model.graph
+            fused = kept = quantized = 0
             for layer, nodes in regions(graph).items():
                 q = int4_experts(ckpt, layer) if self.quantized else None
                 if reason := self.fuse(graph, layer, nodes, ckpt.dims, weights, bindings, q):
@@ -117,8 +118,9 @@ class FuseMoe:
                 quantized += q is not None
             if fused:
                 model.opset_imports[MS_DOMAIN] = 1
-        stats = {"fused_layers": fused, "kept_layers": kept}
-        return PassResult(fused > 0, stats | ({"int4_layers": quantized} if quantized else {}))
+            stats |= {f"{kind}_fused_layers": fused, f"{kind}_kept_layers": kept}
+            stats |= {f"{kind}_int4_layers": quantized} if quantized else {}
+        return PassResult(any(n for k, n in stats.items() if k.endswith("_fused_layers")), stats)
 
     def fuse(self, graph: ir.Graph, layer: int, nodes: list[ir.Node], dims: object,
              weights: Weights, bindings: dict[str, WeightRef], q: dict[str, list[Int4Weight]] | None = None,

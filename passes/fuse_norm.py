@@ -54,13 +54,13 @@ class FuseNorm:
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
         ws["norms_fused"] = True
-        fused = 0
-        for model in ws.need("graphs").values():
+        stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer's norms twice
+        for kind, model in ws.need("graphs").items():
             here = sum(self.fuse(model.graph, scope, nodes) for scope, nodes in norm_regions(model.graph).items())
             if here:
                 model.opset_imports[MS_DOMAIN] = 1
-            fused += here
-        return PassResult(fused > 0, {"fused_norms": fused})
+            stats[f"{kind}_fused_norms"] = here
+        return PassResult(any(stats.values()), stats)
 
     @staticmethod
     def fuse(graph: ir.Graph, scope: str, nodes: list[ir.Node]) -> bool:

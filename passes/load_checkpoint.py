@@ -22,7 +22,7 @@ class LoadCheckpoint:
         if ctx.recipe.family not in (ckpt.arch.name, ckpt.arch.recipe):  # MoE families use their dense recipes
             raise RecipeError(
                 f"recipe {ctx.recipe.name or '?'} is for family {ctx.recipe.family!r}, "
-                f"but {ctx.source} is {ckpt.arch.name!r}"
+                f"but {ctx.model or ctx.source} is {ckpt.arch.name!r}"
             )
         expected = ckpt.validate_layout()
         if not (ckpt.root / "tokenizer.json").is_file():

@@ -26,6 +26,7 @@ int4 weights is refused with the fix named.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,7 +39,7 @@ from qwen2om.kernels.ascend import NPU_DOMAIN, WQBMM, pack_int4_int32
 from qwen2om.passes.lower_fp8 import const, derived_initializer, quantized_matmuls, replace_matmul
 from qwen2om.passes.lower_int4 import NBITS_SCALE
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
-from qwen2om.quantized import Int4Weight
+from qwen2om.quantized import Int4Weight, QuantWeight
 from qwen2om.weights import WeightRef
 
 
@@ -46,6 +47,26 @@ def node_scope(module: str) -> str:
     """`model.layers.3.self_attn.q_proj` → `/model/layers.3/self_attn/q_proj`: the exporter's naming, which
     every other pass (and keep_dtype.cfg) uses, so one layer's nodes sort and grep together."""
     return "/" + re.sub(r"/(\d+)(?=/|$)", r".\1", module.replace(".", "/"))
+
+
+def int4_form(quantized: Mapping[str, QuantWeight], soc_version: str, weight_storage: str, *,
+              fp16: bool) -> str | None:
+    """The form int4 linears take on `soc_version`, "wqbmm" or "antiquant" (None: the checkpoint has
+    none), or the refusal. Needs only the tensor table: `convert` asks it before any work too
+    (qwen2om/convert.py, preflight), since this pass runs after the export."""
+    if not any(q.kind == "int4" for q in quantized.values()):
+        return None
+    form = "wqbmm" if soc_info(soc_version).w4a16 else "antiquant"
+    if form == "antiquant" and weight_storage != "int8":
+        raise Qwen2omError(
+            f"{soc_version} has no int4 weight-quantised matmul (WeightQuantBatchMatmulV2 runs on 910B, "
+            "910_93 and 310P), so this W4A16 checkpoint cannot run there as int4. Rerun with "
+            "--set weight_storage=int8 to store the same int4 values as int8 and dequantise them with "
+            "AscendAntiQuant (W8A16: twice the weight memory of int4), or choose a 910B/310P --soc-version.")
+    if not fp16:
+        raise Qwen2omError("int4 weights on Ascend need fp16 activations (WeightQuantBatchMatmulV2 takes fp16 "
+                           "x): convert with --dtype fp16")
+    return form
 
 
 @register
@@ -60,20 +81,10 @@ class LowerInt4Ascend:
         ckpt = ws.need("checkpoint")
         weights, bindings = ws.need("weights")
         ws["int4_lowered"] = True
-        if not any(q.kind == "int4" for q in ckpt.quantized.values()):
-            return PassResult(False, {"lowered": 0})
         r = ctx.recipe
-        soc = soc_info(r.soc_version)
-        form = "wqbmm" if soc.w4a16 else "antiquant"
-        if form == "antiquant" and r.weight_storage != "int8":
-            raise Qwen2omError(
-                f"{r.soc_version} has no int4 weight-quantised matmul (WeightQuantBatchMatmulV2 runs on 910B, "
-                "910_93 and 310P), so this W4A16 checkpoint cannot run there as int4. Rerun with "
-                "--set weight_storage=int8 to store the same int4 values as int8 and dequantise them with "
-                "AscendAntiQuant (W8A16: twice the weight memory of int4), or choose a 910B/310P --soc-version.")
-        if weights.dtype != torch.float16:
-            raise Qwen2omError("int4 weights on Ascend need fp16 activations (WeightQuantBatchMatmulV2 takes fp16 "
-                               "x): convert with --dtype fp16")
+        form = int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=weights.dtype == torch.float16)
+        if form is None:
+            return PassResult(False, {"lowered": 0})
         lowered = 0
         for model in ws.need("graphs").values():
             graph = model.graph

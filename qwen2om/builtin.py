@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from qwen2om.errors import Qwen2omError
@@ -33,10 +34,29 @@ def builtin_names() -> list[str]:
     return [*TINY, TRAINED, *FP8_BUILTINS]
 
 
+# A Hugging Face hub id, `owner/name`: what a user copies from a model page.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def missing_model(text: str) -> None:
+    """Raise if `text`, which names no existing path, is clearly meant as something else: a hub id
+    (qwen2om never downloads) or a builtin's name without its prefix. Otherwise the caller reports it."""
+    # owner/name with no directory `owner` here: `out/typo` is a mistyped path, not a hub id
+    if HUB_ID.fullmatch(text) and not Path(text).parent.is_dir() and not text.endswith(".onnx"):
+        raise Qwen2omError(
+            f"{text}: no such directory. It looks like a Hugging Face hub id, and qwen2om never downloads from a "
+            f"model hub: download the checkpoint first, e.g. `hf download {text} --local-dir DIR` (or `git clone "
+            f"https://huggingface.co/{text} DIR`, with git-lfs), then pass DIR")
+    if text in builtin_names():
+        raise Qwen2omError(f"{text}: no such directory; did you mean {PREFIX}{text}?")
+
+
 def resolve_model(model: str | Path) -> Path:
     """A checkpoint directory for `model`: a path as given, or a built (cached) builtin."""
     text = str(model)
     if not text.startswith(PREFIX):
+        if not Path(text).exists():
+            missing_model(text)
         return Path(text)
     name = text[len(PREFIX):]
     from qwen2om.fixtures import trained

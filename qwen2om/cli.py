@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import inspect as pyinspect
 import json
+import os
 import re
+import shlex
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,11 +30,37 @@ from rich.progress import (
 )
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from qwen2om.errors import Qwen2omError, caused_by_interrupt
 from qwen2om.runtime.standalone import RuntimeInputError
 
+
+def without_flag_metavars(params: list[Any]) -> list[Any]:
+    """Boolean flags take no value, but typer 0.29's rich help prints `<bool>` after each (`--force
+    <bool>`): an empty metavar leaves their type column blank; other options keep theirs."""
+    for p in params:
+        if isinstance(p, TyperOption) and p.is_flag and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A command whose --help puts no `<bool>` after its flags."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return without_flag_metavars(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """A command group whose --help puts no `<bool>` after its flags."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return without_flag_metavars(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=Group,
     help="Turn Hugging Face Qwen checkpoints into static-shape ONNX models and Ascend offline models (.om); "
     "quantise, run, verify and evaluate them.\n\n"
     "MODEL is a checkpoint directory (config.json + safetensors) or builtin:NAME, a tiny model built "
@@ -102,6 +131,43 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def as_typed(executable: str | Path) -> str:
+    """How to type `executable` in this shell: its bare name when PATH finds this very file (not a
+    namesake), else its path, relative to the working directory when under it."""
+    path = Path(os.path.abspath(executable))
+    found = shutil.which(path.name)
+    if found and Path(os.path.abspath(found)) == path:
+        return path.name
+    if path.is_relative_to(Path.cwd()):
+        rel = path.relative_to(Path.cwd())
+        return shlex.quote(str(rel) if len(rel.parts) > 1 else f"./{rel}")
+    return shlex.quote(str(path))
+
+
+def qwen2om_command(argv0: str | None = None) -> str:
+    """This qwen2om as the user can run it again: `qwen2om` when it is on PATH, else e.g.
+    `.venv/bin/qwen2om` (a virtual environment that is not activated), or `python -m qwen2om`."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if Path(argv0).name == "__main__.py":
+        return f"{as_typed(sys.executable)} -m qwen2om"
+    exe = argv0 if os.sep in argv0 else shutil.which(argv0)
+    return as_typed(exe) if exe else "qwen2om"
+
+
+def next_commands(out: Path, manifest: dict[str, Any]) -> list[str]:
+    """What to do with a fresh output, as commands that work as typed here. run.py runs standard ONNX
+    only: an Ascend output runs on CPU through `qwen2om run` (qwen2om's reference kernels), and through
+    run.py only on the NPU (--backend acl), once its .om files are compiled."""
+    qwen2om, o = qwen2om_command(), shlex.quote(str(out))
+    run_py = f"{as_typed(sys.executable)} {shlex.quote(str(out / 'run.py'))}"
+    commands = [f"{qwen2om} run {o} --prompt 'Hello' --greedy"]
+    if manifest["recipe"].get("target") != "ascend":
+        return [*commands, f"{qwen2om} verify {o}", f"{run_py} --prompt 'Hello'"]
+    compiled = any(s["pass"] == "compile_ascend" and s["stats"].get("compiled") for s in manifest["stages"])
+    return [*commands, f"{qwen2om} inspect {o} --check ascend", f"{qwen2om} verify {o}",
+            *([f"{run_py} --backend acl --prompt 'Hello'"] if compiled else [])]
 
 
 @app.command()
@@ -201,8 +267,7 @@ def convert(
               for k, g in m["graphs"].items()]
     out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']} "
                       f"· graphs: " + ", ".join(shapes))
-    out_console.print(f"next: qwen2om run {out} --prompt 'Hello' --greedy   |   qwen2om verify {out}   |   "
-                      f"python {out}/run.py --prompt 'Hello'")
+    out_console.print("next: " + "   |   ".join(next_commands(out, m)), soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -219,7 +284,8 @@ def run(
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 0.8,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     truncate: Annotated[bool, typer.Option("--truncate", help="drop the oldest prompt tokens if too long")] = False,
-    threads: Annotated[int, typer.Option(min=0, help="ONNX Runtime intra-op threads (0 = all cores)")] = 0,
+    threads: Annotated[int, typer.Option(min=0, help="ONNX Runtime intra-op threads (0 = $QWEN2OM_THREADS, else "
+                                                           "all cores)")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="keep generating past EOS")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streaming")] = False,
     backend: Annotated[str, typer.Option(help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL (CANN) on an "
@@ -279,9 +345,13 @@ def verify(
         table.add_column(col)
     for p in report.prompts:
         short = p.prompt.replace("\n", "⏎")[:40]
-        table.add_row(short, str(p.prompt_tokens), str(p.steps), f"{p.max_abs:.2e}", f"{p.agreement:.1%}",
+        agree = f"{p.agreement:.1%}" + (f" ({p.ties} tied)" if p.ties else "")
+        table.add_row(short, str(p.prompt_tokens), str(p.steps), f"{p.max_abs:.2e}", agree,
                       "-" if p.first_disagreement is None else str(p.first_disagreement))
     out_console.print(table)
+    if any(p.ties for p in report.prompts):
+        out_console.print("tied: the reference's own top two logits differ by less than the logits tolerance, "
+                          "so either token is right; which one wins depends on the CPU's float rounding")
     tol = report.tolerance
     limits = (f"max |Δlogits| ≤ {tol['max_abs']:g}, " if tol["max_abs"] is not None else "") + \
         f"top-1 agreement ≥ {tol['agreement']:.0%}" + (f"; {tol['why']}" if tol.get("why") else "")
@@ -393,9 +463,10 @@ def inspect(
     soc_version: Annotated[str | None, typer.Option("--soc-version", help="with --check ascend: also check what "
                                                     "this SoC cannot run (e.g. int4 matmuls on Ascend310B1)")] = None,
     dump_graph: Annotated[Path | None, typer.Option("--dump-graph", metavar="FILE", help="draw the graph into "
-                                                    "FILE.dot, .svg, .png (graphviz's dot draws these two) or .txt "
-                                                    "(one line per node): one decoder layer node by node, every "
-                                                    "other layer one box")] = None,
+                                                    "FILE.dot, .svg (full size: every label, zoomable), .png (scaled "
+                                                    "down to fit a 1920×1200 screen; graphviz's dot draws these two) "
+                                                    "or .txt (one line per node): one decoder layer node by node, "
+                                                    "every other layer one box, in order beside it")] = None,
     layer: Annotated[int, typer.Option(help="with --dump-graph: the decoder layer drawn node by node")] = 0,
     full: Annotated[bool, typer.Option("--full", help="with --dump-graph: draw every layer node by node")] = False,
     graph: Annotated[str | None, typer.Option(help="with --dump-graph, for an output directory: decode (default) "
@@ -494,9 +565,14 @@ def print_quantized_modules(info: dict[str, Any]) -> None:
     """A quantised checkpoint's weights by module (layers folded), and how it was made."""
     qc = info.get("quantization_config") or {}
     made = qc.get("qwen2om") or {}
-    # an ascendv1 checkpoint says what it is in quant_model_description.json, not in config.json
-    fmt = qc.get("format") or " · ".join(f for f in info.get("formats", []) if f != "compressed-tensors")
-    how = " · ".join(str(v) for v in (qc.get("quant_method"), fmt, made.get("method"), made.get("dataset")) if v)
+    # an ascendv1 checkpoint says what it is in quant_model_description.json, not in config.json;
+    # Hugging Face's FP8 names its element format `fmt` (e4m3) and its tiles `weight_block_size`
+    fmt = qc.get("format") or qc.get("fmt") or " · ".join(f for f in info.get("formats", [])
+                                                          if f != "compressed-tensors")
+    block = qc.get("weight_block_size")
+    parts = (qc.get("quant_method"), fmt, block and "×".join(map(str, block)) + " blocks", made.get("method"),
+             made.get("dataset"))
+    how = " · ".join(dict.fromkeys(str(v) for v in parts if v))  # each once: FP8's method and format are both fp8
     table = Table(title=f"quantised weights ({how})" if how else "quantised weights")
     for col in ("module", "scheme", "block", "zero point", "count"):
         table.add_column(col, justify="right" if col == "count" else "left")
@@ -611,7 +687,7 @@ def print_fp8_report(model: str, out: Path, r: dict) -> None:
 
 
 eval_app = typer.Typer(help="Measure quality: perplexity, and agreement with a float reference.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, cls=Group)
 app.add_typer(eval_app, name="eval")
 EVAL_DATASET = "builtin:prose"
 DatasetOpt = Annotated[str, typer.Option(help="JSONL, text file or builtin:NAME")]
@@ -715,6 +791,7 @@ def unwrapped(doc: str) -> str:
 
 for _typer in (app, eval_app):
     for _command in _typer.registered_commands:
+        _command.cls = Command
         if _command.help is None and _command.callback is not None and _command.callback.__doc__:
             _command.help = unwrapped(_command.callback.__doc__)
 

@@ -12,14 +12,17 @@ from typing import Any
 import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
-from qwen2om.checkpoint import read_json
-from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, RecipeError
+from qwen2om.checkpoint import Checkpoint, read_json
+from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, Qwen2omError, RecipeError
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
+from qwen2om.passes.lower_int4_ascend import int4_form
 from qwen2om.passes.write_onnx import graph_file
 from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
 from qwen2om.recipe import DTYPES, TARGETS, Recipe, apply_overrides, load_recipe
+from qwen2om.rope import rope_tables
+from qwen2om.static_hybrid import hybrid_rope_tables
 
 LAYOUT = {
     "kv_cache": "BNSD: [batch, kv_heads, capacity, head_dim]; outputs hold the T new tokens only",
@@ -67,6 +70,29 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
     return r.resolved(dims.max_positions), dims
 
 
+def preflight(source: Path, r: Recipe, dims: ModelDims) -> None:
+    """Refusals that need only config.json and the checkpoint's tensor table, made before anything is
+    staged: the passes that raise them run after every shard is read (static_model's RoPE tables) or
+    after the ONNX export (lower_int4_ascend), minutes into a large conversion. (max_seq_len against
+    the model's limit is choose_recipe's.)"""
+    passes = {name for name, _ in r.pipeline}
+    if "static_model" in passes:  # a one-row table: the same refusals, none of the work
+        cfg = read_json(source / "config.json", "config.json")
+        if resolve_arch(cfg, str(source / "config.json")).hybrid:
+            hybrid_rope_tables(cfg, dims, 1)
+        else:
+            rope_tables(cfg, 1)
+    if "lower_int4_ascend" in passes:
+        try:
+            ckpt = Checkpoint(source)  # lazy: headers and quantisation metadata, no weights
+        except Qwen2omError:
+            return  # load_checkpoint says what is wrong with it, naming its pass
+        try:
+            int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=r.dtype == "fp16")
+        finally:
+            ckpt.close()
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -102,6 +128,7 @@ def convert(
     """
     source = resolve_model(model)
     r, dims = choose_recipe(source, recipe, list(overrides or []))
+    preflight(source, r, dims)
     n_workers = choose_workers(workers, log)
     tools = tool_versions()
     key = {"model": str(model), "source": str(source), "recipe": r.to_dict(), "tools": tools}
@@ -109,8 +136,9 @@ def convert(
     with staged_output(out, force=force, resume=resume, log=log) as stage:
         try:
             journal = Journal.open(stage, key, resume=resume)
-            ctx = RunContext(recipe=r, stage_dir=stage, source=source, tool_version=tools["qwen2om"],
-                             progress=progress, log=log, workers=n_workers, journal=journal)
+            ctx = RunContext(recipe=r, stage_dir=stage, source=source, model=str(model),
+                             tool_version=tools["qwen2om"], progress=progress, log=log, workers=n_workers,
+                             journal=journal)
             ws = Workspace()
             after = pass_dumper(stage / "graphs") if dump_graphs else None
             steps = run_pipeline(r.pipeline, ws, ctx, on_step, after)

@@ -37,7 +37,7 @@ class Scorer:
     """Log-probabilities [T, V] for every position of a window of token ids."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = resolve_model(path) if str(path).startswith("builtin:") else Path(path)
+        self.path = resolve_model(path)
         self.engine: Any = None
         self.model: Any = None
         if (self.path / MANIFEST).is_file():

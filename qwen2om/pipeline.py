@@ -40,6 +40,7 @@ class RunContext:
     stage_dir: Path
     source: Path
     tool_version: str = ""
+    model: str = ""  # the model as the user named it (builtin:NAME, not its cache directory), for messages
     progress: Callable[..., None] = no_progress
     log: Callable[[str], None] = lambda msg: None
     workers: int = 1

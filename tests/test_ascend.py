@@ -139,6 +139,27 @@ def test_unknown_soc_and_int4_in_fp32(w4, tmp_path: Path, cli) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_int4_refusals_come_before_any_work(w4, tmp_path: Path, cli, monkeypatch) -> None:
+    """310B without weight_storage=int8, and int4 in fp32, are lower_int4_ascend's refusals, and that
+    pass runs after the ONNX export (minutes on a large model): convert asks the tensor table the same
+    question first, so nothing is staged, exported or left behind."""
+    import qwen2om.convert as conv
+    from qwen2om.builtin import resolve_model
+
+    def untouchable(*args: object, **kwargs: object) -> None:
+        raise AssertionError("convert started work before refusing")
+
+    monkeypatch.setattr(conv, "staged_output", untouchable)
+    for args, named in ((["--soc-version", "Ascend310B1"], "Rerun with --set weight_storage=int8"),
+                        (["--soc-version", "Ascend910B3", "--dtype", "fp32"], "convert with --dtype fp16")):
+        code, _, err = cli("convert", w4, "-o", tmp_path / "out", *args, "--max-seq-len", "256")
+        assert code != 0 and named in err and "completed" not in err, err
+        assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    for model, extra in ((resolve_model("builtin:tiny-qwen3"), []), (w4, ["weight_storage=int8"])):
+        r, dims = conv.choose_recipe(model, None, ["target=ascend", "soc_version=Ascend310B1", *extra])
+        conv.preflight(model, r, dims)  # float weights, or int4 stored as int8: nothing to refuse
+
+
 def test_checker_lists_every_problem(tmp_path: Path, cli, converted, monkeypatch) -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
     nodes = [helper.make_node("Trilu", ["x"], ["t"], name="mask/Trilu"),
@@ -219,6 +240,24 @@ def test_atc_failure_surfaces_its_errors(tmp_path: Path, monkeypatch, cli) -> No
                        "--max-seq-len", "256")
     assert code != 0 and "E19010: No parser is registered" in err and "OUT was not written" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_next_hints_after_an_ascend_conversion_work_as_typed(cli, tmp_path: Path, monkeypatch) -> None:
+    """The `next:` line after `convert --target ascend` named `python OUT/run.py`, which refuses Ascend
+    ops; every command it names now runs as printed (run and verify on CPU, through the reference kernels)."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = cli("convert", "builtin:tiny-qwen3", "-o", "out", "--soc-version", "Ascend910B3", "--dry-run",
+                            "--max-seq-len", "256", "--prefill-chunk", "32")
+    assert code == 0, err
+    commands = next(ln for ln in stdout.splitlines() if ln.startswith("next: ")).removeprefix("next: ").split("   |   ")
+    assert "qwen2om inspect out --check ascend" in commands and "qwen2om verify out" in commands, commands
+    assert not any("run.py" in c for c in commands)  # no .om compiled: nothing run.py can run here
+    for command in commands:
+        program, *args = shlex.split(command)
+        code, _, err = cli(*args)
+        assert program == "qwen2om" and code == 0, (command, err)
 
 
 def test_run_ascend_output_on_cpu(ascend_out, cli, capsys) -> None:

@@ -113,9 +113,57 @@ def test_output_exists_needs_force(cli, converted, checkpoint, tmp_path) -> None
     assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
 
 
+def test_config_refusals_come_before_any_work(cli, ckpt, tmp_path, monkeypatch) -> None:
+    """What config.json alone rules out is refused before anything is staged or any pass runs:
+    max_seq_len beyond the model's limit, and a RoPE with no static table (which static_model used
+    to find only after check_weights had read every shard)."""
+    import qwen2om.convert
+
+    def untouchable(*args: object, **kwargs: object) -> None:
+        raise AssertionError("convert started work before refusing")
+
+    monkeypatch.setattr(qwen2om.convert, "staged_output", untouchable)
+    out = tmp_path / "out"
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "100000")
+    assert code != 0 and "max_seq_len=100000 exceeds the model's max_position_embeddings=4096" in err, err
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64")
+    assert code != 0 and "rope_type 'dynamic' has no static-shape equivalent" in err and "completed" not in err, err
+    assert not out.exists() and not (tmp_path / ".out.partial").exists()
+
+
 def test_unknown_builtin_lists_known(cli, tmp_path) -> None:
     code, _, err = cli("convert", "builtin:tiny-qwen9", "-o", tmp_path / "o")
     assert code != 0 and "tiny-qwen9" in err and "tiny-qwen3" in err
+
+
+@pytest.mark.parametrize("command", [("convert", "{model}", "-o", "o"), ("calibrate", "{model}", "-o", "o"),
+                                     ("inspect", "{model}"), ("eval", "ppl", "{model}"),
+                                     ("eval", "agree", "{out}", "--reference", "{model}"),
+                                     ("verify", "{out}", "--reference", "{model}")])
+def test_a_hub_id_or_a_bare_builtin_name_says_what_to_do(converted, cli, tmp_path, monkeypatch, command) -> None:
+    """`convert Qwen/Qwen3-0.6B` said ".../config.json not found": a hub id is named as one (qwen2om never
+    downloads) with how to get the directory; a builtin's name without its prefix gets the prefix."""
+    out = converted("tiny-qwen3", "fp32")
+    monkeypatch.chdir(tmp_path)
+    for model, needles in (("Qwen/Qwen3-0.6B", ["Qwen/Qwen3-0.6B: no such directory", "hub id",
+                                                "qwen2om never downloads",
+                                                "`hf download Qwen/Qwen3-0.6B --local-dir DIR`",
+                                                "https://huggingface.co/Qwen/Qwen3-0.6B", "then pass DIR"]),
+                           ("tiny-qwen3", ["tiny-qwen3: no such directory; did you mean builtin:tiny-qwen3?"])):
+        code, _, err = cli(*(a.format(model=model, out=out) for a in command))
+        text = " ".join(err.split())
+        assert code == 2 and all(n in text for n in needles) and "Traceback" not in err, text
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_mistyped_path_is_not_taken_for_a_hub_id(cli, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    code, _, err = cli("convert", "ckpt/q06-w4a16", "-o", "o")
+    assert code == 2 and "ckpt/q06-w4a16" in err and "hub id" not in err and not (tmp_path / "o").exists()
 
 
 def test_prompt_longer_than_capacity(converted, cli) -> None:

@@ -317,6 +317,47 @@ def test_calibrate_cli_bad_inputs(tmp_path, cli, calibrated) -> None:
     assert code == 2 and "--force" in err
 
 
+def test_group_size_is_checked_before_any_data_or_weight_is_read(tmp_path, cli, checkpoint, monkeypatch) -> None:
+    """Every built-in MoE model's experts are narrower than the default group of 128; calibrate used to
+    find out only after tokenising the calibration data (and, for dense layers first, calibrating some).
+    The widths come from the tensor table: refused before the data, a weight or the output is touched."""
+    import qwen2om.quant.calibrate as cal
+
+    checkpoint("tiny-qwen3-moe")  # built (if need be) before reading weights is forbidden
+
+    def untouchable(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started before the group size was checked")
+
+    monkeypatch.setattr(cal, "windows", untouchable)
+    monkeypatch.setattr(cal, "staged_output", untouchable)
+    monkeypatch.setattr(Checkpoint, "get", untouchable)
+    out = tmp_path / "x"
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3-moe", "-o", out)
+    assert code == 2, err
+    assert "model.layers.0.mlp.experts.0.down_proj.weight: input width 32 is not a multiple of --group-size 128" in err
+    assert "use --group-size 32" in err and "nothing was written" in err
+    assert not out.exists() and not (tmp_path / ".x.partial").exists()
+
+
+def test_group_check_respects_ignore_and_the_lm_head(checkpoint) -> None:
+    from qwen2om.quant.calibrate import CalibrationError, check_group_size, quantized_widths
+
+    ckpt = Checkpoint(checkpoint("tiny-qwen2-moe"))
+    widths = quantized_widths(ckpt, CalibrationConfig())
+    assert widths["model.layers.1.mlp.experts.7.down_proj.weight"] == 32
+    assert widths["model.layers.1.mlp.shared_expert.down_proj.weight"] == 48
+    assert not {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                "lm_head.weight", "model.embed_tokens.weight"} & set(widths)  # never quantised
+    with pytest.raises(CalibrationError, match=r"use --group-size 16, the largest power of two ≤ 32"):
+        check_group_size(widths, 32)  # the shared expert's 48
+    check_group_size(quantized_widths(ckpt, CalibrationConfig(ignore=("shared_expert",))), 32)
+    check_group_size(quantized_widths(ckpt, CalibrationConfig(ignore=("down_proj",))), 64)
+    head = quantized_widths(ckpt, CalibrationConfig(ignore=(r"model\.layers",), quantize_lm_head=True))
+    assert head == {"lm_head.weight": 64}
+    with pytest.raises(CalibrationError, match=r"^lm_head.weight: input width 64 .*use --group-size 64"):
+        check_group_size(head, 128)
+
+
 def test_short_dataset_is_packed_and_counted(tmp_path, cli) -> None:
     data = tmp_path / "chat.jsonl"
     lines = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},

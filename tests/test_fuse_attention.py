@@ -179,9 +179,31 @@ def test_fused_prefill_with_gears_computes_what_the_portable_graph_computes(tmp_
             assert np.abs(got[key] - want[key]).max() <= 2e-5, (gear, key)
 
 
+def test_fuse_passes_count_each_graph_on_its_own(converted) -> None:
+    """fuse_attention reported fused_layers=8 for a 4-layer model: the decode and prefill graphs summed.
+    Every fuse_* pass now counts per graph."""
+    manifest = json.loads((converted("tiny-qwen3", "fp32") / "manifest.json").read_text())
+    stats = {s["pass"]: s["stats"] for s in manifest["stages"]}
+    layers = manifest["dims"]["layers"]
+    per_graph = lambda **counts: {f"{g}_{k}": n for g in ("decode", "prefill") for k, n in counts.items()}  # noqa: E731
+    assert {k: v for k, v in stats["fuse_attention"].items() if "shared" not in k} == per_graph(
+        fused_layers=layers, kept_layers=0, rotary_layers=layers)
+    # post-attention norms and the next layer's input norms (or the final one); prefill's final norm reads
+    # the last position's slice, not a residual Add
+    assert stats["fuse_norm"] == {"decode_fused_norms": 2 * layers, "prefill_fused_norms": 2 * layers - 1}
+    assert stats["fuse_moe"] == per_graph(fused_layers=0, kept_layers=0)  # dense: nothing to fuse
+    assert stats["fuse_int4"] == per_graph(fused_groups=0, fused_nodes=0)  # float: nothing to fuse
+
+
 def test_manifest_reports_the_fused_layers(outs) -> None:
     manifest = json.loads((outs["tiny-qwen3", 1, True] / "manifest.json").read_text())
     stats = next(s for s in manifest["stages"] if s["pass"] == "fuse_attention")["stats"]
     layers = manifest["dims"]["layers"]
-    assert stats == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers,
-                     "shared_cache_layers": layers}  # the decode graph's
+    assert stats == {"decode_fused_layers": layers, "decode_kept_layers": 0, "decode_rotary_layers": layers,
+                     "decode_shared_cache_layers": layers,  # prefill (a padded chunk) slices its past
+                     "prefill_fused_layers": layers, "prefill_kept_layers": 0, "prefill_rotary_layers": layers}
+    # batch 2: the kernel takes a chunk with a cache only at batch 1, so prefill keeps every layer
+    manifest = json.loads((outs["tiny-qwen3", 2, True] / "manifest.json").read_text())
+    stats = next(s for s in manifest["stages"] if s["pass"] == "fuse_attention")["stats"]
+    assert (stats["decode_fused_layers"], stats["prefill_fused_layers"], stats["prefill_kept_layers"]) == (layers, 0,
+                                                                                                           layers)

@@ -101,7 +101,7 @@ def test_fused_graph_matches_the_unfused_one(zero_point: bool) -> None:
     model, weights, bindings = build(zero_point)
     ws = Workspace(graphs={"decode": model}, weights=(weights, bindings), int4_lowered=True, scale_map={})
     result = FuseInt4()(ws, None)  # type: ignore[arg-type]
-    assert result.modified and result.stats == {"fused_groups": 2, "fused_nodes": 5}
+    assert result.modified and result.stats == {"decode_fused_groups": 2, "decode_fused_nodes": 5}
     assert op_counts(model) == {"MatMulNBits": 4, "Split": 2, "Relu": 6}
     names = set(model.graph.initializers)
     assert "model.layers.0.self_attn.q_proj+k_proj+v_proj.weight_nbits" in names
@@ -121,7 +121,7 @@ def test_fused_graph_matches_the_unfused_one(zero_point: bool) -> None:
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
     again = FuseInt4()(ws, None)  # type: ignore[arg-type]
-    assert not again.modified and again.stats == {"fused_groups": 0, "fused_nodes": 0}
+    assert not again.modified and again.stats == {"decode_fused_groups": 0, "decode_fused_nodes": 0}
 
 
 def test_fused_tensors_are_produced_lazily() -> None:
@@ -146,7 +146,7 @@ def test_scales_fed_as_inputs_are_left_alone() -> None:
             node.replace_input_with(2, scale)
     result = FuseInt4()(Workspace(graphs={"decode": model}, weights=(weights, bindings), int4_lowered=True,
                                   scale_map={}), None)  # type: ignore[arg-type]
-    assert result.stats == {"fused_groups": 2, "fused_nodes": 4}  # k+v and gate+up; q stays alone
+    assert result.stats == {"decode_fused_groups": 2, "decode_fused_nodes": 4}  # k+v and gate+up; q stays alone
 
 
 def test_fused_base_names() -> None:
@@ -165,7 +165,9 @@ def test_convert_fuses_qkv_and_gate_up(tmp_path: Path) -> None:
     sets = ["max_seq_len=64", "prefill_chunk=8"]
     fused = convert(ckpt, tmp_path / "fused", overrides=sets)
     stats = next(s for s in fused.manifest["stages"] if s["pass"] == "fuse_int4")["stats"]
-    assert stats == {"fused_groups": 2 * 4 * 2, "fused_nodes": 2 * 4 * 5}  # 2 graphs × 4 layers × (qkv, gate_up)
+    # per graph: 4 layers × (qkv, gate_up)
+    assert stats == {"decode_fused_groups": 4 * 2, "decode_fused_nodes": 4 * 5,
+                     "prefill_fused_groups": 4 * 2, "prefill_fused_nodes": 4 * 5}
     summary = (tmp_path / "fused" / "graphs" / "summary.txt").read_text()
     assert "op     MatMulNBits 16" in summary and "op     Split 8" in summary
 

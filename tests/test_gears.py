@@ -146,10 +146,13 @@ def test_ort_gears(converted, monkeypatch: pytest.MonkeyPatch, name: str) -> Non
     assert manifest["graphs"]["prefill"]["gears"] == [8, 16, 32] and manifest["recipe"]["target"] == "ort"
     stats = {s["pass"]: s["stats"] for s in manifest["stages"]}
     layers = manifest["dims"]["layers"]
-    assert stats["fuse_attention"] == {"fused_layers": 2 * layers, "kept_layers": 0, "rotary_layers": 2 * layers,
-                                       "shared_cache_layers": layers}  # the decode graph's
+    assert stats["fuse_attention"] == {
+        "decode_fused_layers": layers, "decode_kept_layers": 0, "decode_rotary_layers": layers,
+        "decode_shared_cache_layers": layers,
+        "prefill_fused_layers": layers, "prefill_kept_layers": 0, "prefill_rotary_layers": layers}
     if name.endswith("-moe"):  # the exporter's T-sized routing zeros, shared between layers, do not stop it
-        assert stats["fuse_moe"] == {"fused_layers": 2 * layers, "kept_layers": 0}
+        assert stats["fuse_moe"] == {"decode_fused_layers": layers, "decode_kept_layers": 0,
+                                     "prefill_fused_layers": layers, "prefill_kept_layers": 0}
     prefill = onnx.load(out / "model.prefill.onnx", load_external_data=False).graph
     ids = next(i for i in prefill.input if i.name == "input_ids")
     assert [d.dim_param or d.dim_value for d in ids.type.tensor_type.shape.dim] == [1, "T"]

@@ -199,7 +199,8 @@ def test_ort_recipe_fuses_experts(moe_out) -> None:
         assert moe[3].input[1] == router.output[0]
     manifest = json.loads((moe_out["tiny-qwen2-moe"] / "manifest.json").read_text())
     stats = next(s["stats"] for s in manifest["stages"] if s["pass"] == "fuse_moe")
-    assert stats == {"fused_layers": 2 * 2, "kept_layers": 0}  # 2 graphs × 2 layers
+    assert stats == {"decode_fused_layers": 2, "decode_kept_layers": 0, "prefill_fused_layers": 2,
+                     "prefill_kept_layers": 0}  # 2 layers, counted per graph
     model = onnx.load(moe_out["tiny-qwen2-moe"] / "model.prefill.onnx", load_external_data=False)
     moe = next(n for n in model.graph.node if n.op_type == "MoE")
     assert {a.name: a.i for a in moe.attribute}["normalize_routing_weights"] == 0  # qwen2_moe: norm_topk_prob off
@@ -345,7 +346,8 @@ def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     assert [n.op_type for n in decode.graph.node if stack in n.input] == ["GatherND"]
     stages = json.loads((out / "manifest.json").read_text())["stages"]
     stats = next(s["stats"] for s in stages if s["pass"] == "fuse_moe")
-    assert stats == {"fused_layers": 0, "kept_layers": 2 * 4}  # int4 stacks: left in the portable form
+    assert stats == {"decode_fused_layers": 0, "decode_kept_layers": 4, "prefill_fused_layers": 0,
+                     "prefill_kept_layers": 4}  # int4 stacks: left in the portable form
     # The default ORT recipe: each layer's int4 experts in one com.microsoft::QMoE, the checkpoint's
     # bytes as stored (gate/up rows interleaved), exact against the dequantised weights.
     out_q = tmp_path / "out-qmoe"

@@ -224,3 +224,33 @@ def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch)
             (stage / "manifest.json").write_text("new")
     assert (out / "manifest.json").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_next_hints_spell_commands_as_they_can_be_typed(tmp_path, monkeypatch) -> None:
+    """`next:` names qwen2om as this shell finds it: `.venv/bin/qwen2om` when the virtual environment is
+    not activated (a bare `qwen2om` is "command not found", or another install), the bare name when PATH
+    finds this very file; run.py through the interpreter running qwen2om, which has its packages."""
+    import sys
+
+    from qwen2om.cli import as_typed, next_commands, qwen2om_command
+
+    tmp_path = tmp_path.resolve()
+    ours, namesake = tmp_path / ".venv" / "bin" / "qwen2om", tmp_path / "elsewhere" / "qwen2om"
+    for exe in (ours, namesake):
+        exe.parent.mkdir(parents=True)
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(namesake.parent))
+    assert qwen2om_command(str(ours)) == qwen2om_command(".venv/bin/qwen2om") == ".venv/bin/qwen2om"
+    monkeypatch.setenv("PATH", str(ours.parent))
+    assert qwen2om_command(str(ours)) == qwen2om_command("qwen2om") == "qwen2om"
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.chdir(namesake.parent)
+    assert qwen2om_command(str(ours)) == str(ours)  # not under the working directory: absolute
+
+    python = as_typed(sys.executable)
+    ort = next_commands(Path("my out"), {"recipe": {"target": "ort"}, "stages": []})
+    assert ort[-1] == f"{python} 'my out/run.py' --prompt 'Hello'" and "'my out'" in ort[0]
+    compiled = {"recipe": {"target": "ascend"}, "stages": [{"pass": "compile_ascend", "stats": {"compiled": 2}}]}
+    assert next_commands(Path("o"), compiled)[-1] == f"{python} o/run.py --backend acl --prompt 'Hello'"

@@ -108,3 +108,11 @@ def test_every_pass_documents_itself() -> None:
 
 def test_pass_result_defaults() -> None:
     assert PassResult(False).stats == {}
+
+
+def test_a_recipe_on_a_builtin_names_the_builtin(cli, tmp_path) -> None:
+    """`--recipe` on a builtin named its cache directory (…/builtin/tiny-qwen3-v2), not what was typed."""
+    code, stdout, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--recipe", "qwen2-fp32")
+    text = " ".join(err.split())
+    assert code == 2 and "recipe qwen2-fp32 is for family 'qwen2', but builtin:tiny-qwen3 is 'qwen3'" in text, text
+    assert "builtin/tiny-qwen3" not in stdout + text and not (tmp_path / "o").exists()

@@ -165,6 +165,18 @@ def test_run_cli_streams_and_reports_speed(converted, cli) -> None:
     assert "prefill" in err and "tok/s" in err and "time to first token" in err
 
 
+def test_run_reports_speeds_only_for_work_done(converted, cli) -> None:
+    """`--max-new-tokens 0` runs nothing: it printed "prefill 1 tok in 0 ms (0.0 tok/s, …)"; one new token
+    comes from the prefill alone: it printed "decode 1 tok at 0.0 tok/s"."""
+    out = converted("tiny-qwen3", "fp32")
+    code, stdout, err = cli("run", out, "--prompt", "Hello", "--greedy", "--max-new-tokens", "0")
+    assert code == 0 and not stdout.strip(), err
+    assert "nothing generated (no graph run)" in err and "tok/s" not in err and "prefill" not in err
+    code, _, err = cli("run", out, "--prompt", "Hello", "--greedy", "--max-new-tokens", "1", "--ignore-eos")
+    assert code == 0 and "prefill" in err and "time to first token" in err, err
+    assert "1 tok, from the prefill (no decode step)" in err and "decode 1 tok at" not in err
+
+
 def run_json(python: str, run_py: Path, cwd: Path, env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run([python, str(run_py), "--prompt", "The standalone stub", "--max-new-tokens", "16",
                            "--greedy", "--json"], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)

@@ -216,6 +216,42 @@ def _finite_or_raise(y: torch.Tensor, layer: int, samples: list[int], what: str)
     raise CalibrationError(f"layer {layer}: {what}{where} is not finite (NaN/Inf); nothing was written")
 
 
+def quant_targets(ckpt: Checkpoint, names: list[str], cfg: CalibrationConfig) -> list[str]:
+    """The weights among `names` that calibration quantises (architecture data, `ignore`, the LM head)."""
+    out = [n for n in names if quantizable(ckpt.arch, n, ignore=cfg.ignore, lm_head=cfg.quantize_lm_head)]
+    if cfg.quantize_lm_head and LM_HEAD not in out:  # tied: the head is quantised from the embedding
+        out.append(LM_HEAD)
+    return out
+
+
+def quantized_widths(ckpt: Checkpoint, cfg: CalibrationConfig) -> dict[str, int]:
+    """Each weight calibration quantises → its input width K (its groups run along K), from the
+    config and the tensor table alone: no weight is read."""
+    slices = unfused_experts(ckpt)
+    targets = quant_targets(ckpt, expand_names(ckpt.names(), slices), cfg)
+    return {n: ckpt.dims.hidden if n == LM_HEAD else expanded_shape(ckpt, slices, n)[1] for n in targets}
+
+
+def check_group_size(widths: dict[str, int], group: int) -> None:
+    """Refuse a group size that does not divide every quantised weight's input width, naming the
+    first such weight and the group size to use instead."""
+    bad = [(n, k) for n, k in widths.items() if k % group]
+    if not bad:
+        return
+    name, k = bad[0]
+    more = (f", nor are {len(bad) - 1} more weights' (input widths "
+            f"{', '.join(map(str, sorted({w for _, w in bad})))})") if len(bad) > 1 else ""
+    common = math.gcd(*widths.values())
+    fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+    best = max((g for g in fits if g <= group), default=max(fits, default=0))
+    hint = (f"use --group-size {best}, the largest power of two{f' ≤ {group}' if best <= group else ''} that "
+            f"divides every quantised weight's input width (group sizes that fit every layer: "
+            f"{', '.join(map(str, fits))}), or leave the odd weights float with --ignore REGEX") if fits else \
+        "no power-of-two group ≥ 16 fits every layer; --ignore the odd ones"
+    raise CalibrationError(f"{name}: input width {k} is not a multiple of --group-size {group}{more}; {hint}; "
+                           "nothing was written")
+
+
 class _Collected(Exception):
     """Raised by the last collecting hook: the rest of the layer's forward is not needed."""
 
@@ -241,11 +277,7 @@ class Calibrator:
         return self.ckpt.info(name if s is None else s.source).dtype
 
     def targets(self) -> list[str]:
-        names = [n for n in self.names
-                 if quantizable(self.ckpt.arch, n, ignore=self.cfg.ignore, lm_head=self.cfg.quantize_lm_head)]
-        if self.cfg.quantize_lm_head and LM_HEAD not in names:  # tied: the head is quantised from the embedding
-            names.append(LM_HEAD)
-        return names
+        return quant_targets(self.ckpt, self.names, self.cfg)
 
     def ignored(self) -> list[str]:
         """Linear modules left float, for the config's `ignore` list."""
@@ -255,15 +287,8 @@ class Calibrator:
         return expanded_shape(self.ckpt, self.slices, name)
 
     def check_groups(self, names: list[str]) -> None:
-        widths = {n: self.ckpt.dims.hidden if n == LM_HEAD else self.shape(n)[1] for n in names}
-        for n, k in widths.items():
-            if k % self.spec.group:
-                common = math.gcd(*widths.values())
-                fits = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
-                hint = f"group sizes that fit every layer: {', '.join(map(str, fits))}" if fits else \
-                    "no power-of-two group ≥ 16 fits every layer; --ignore the odd ones"
-                raise CalibrationError(f"{n}: input width {k} is not a multiple of --group-size {self.spec.group} "
-                                       f"({hint})")
+        check_group_size({n: self.ckpt.dims.hidden if n == LM_HEAD else self.shape(n)[1] for n in names},
+                         self.spec.group)
 
     def source(self, name: str) -> str:
         return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
@@ -544,6 +569,8 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
     ckpt.validate_layout()
     if cfg.scheme == "fp8-block":
         return calibrate_fp8(model, source, ckpt, out, cfg, force=force, progress=progress)
+    # Before any data or weight is read: a group that does not fit used to stop calibration minutes in.
+    check_group_size(quantized_widths(ckpt, cfg), cfg.group_size)
     t0 = time.perf_counter()
     data = None
     if cfg.method != "rtn":
