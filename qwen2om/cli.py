@@ -667,6 +667,8 @@ def print_dump(path: str, out: Path, graph: str | None, layer: int, full: bool, 
            if r.expanded is not None else "every node")
     unit = "lines" if r.format == "txt" else "boxes"
     out_console.print(f"wrote {out}: {r.graph}, {r.nodes} nodes; {how} ({r.drawn} {unit})", soft_wrap=True)
+    if r.note:  # a PNG scaled down to fit a screen: where the full-size picture is
+        out_console.print(r.note, soft_wrap=True)
 
 
 def print_fp8_report(model: str, out: Path, r: dict) -> None:

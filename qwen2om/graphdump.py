@@ -3,15 +3,18 @@
 A 28- or 64-layer LLM is thousands of nodes; drawn whole it is a wall (that is what generic
 viewers show). Every decoder layer is the same, so one layer (`layer`, default 0) is drawn node
 by node and each other layer becomes a single box that says what it holds (node count, op
-histogram, its KV and scale inputs). Nodes keep the model's names (`/model/layers.3/self_attn/
-q_proj/MatMul`); edges carry dtype and shape; graph inputs and outputs are coloured by role.
+histogram, its KV, state and scale inputs). The layers stand in one column, in order, with the
+drawn layer's place in it and its cluster beside it. Nodes keep the model's names
+(`/model/layers.3/self_attn/q_proj/MatMul`); edges carry dtype and shape; graph inputs and outputs
+are coloured by role, with a legend of the roles the graph has.
 
 Two forms, both written here without graphviz's Python package:
 - text: one line per node (`name  op  inputs → outputs`, each tensor with dtype[shape]); it is
   what `convert --dump-graph` writes after every pass, so consecutive files diff cleanly;
-- DOT, rendered to SVG/PNG by graphviz's `dot` executable when it is installed. When it is not,
-  the .dot is written next to the requested file and `GraphvizMissing` (exit code 3) says how to
-  install graphviz.
+- DOT, rendered to SVG/PNG by graphviz's `dot` executable when it is installed: the SVG at full
+  size, the PNG scaled down to fit a 1920×1200 screen (the result says by how much). When `dot`
+  is not installed, the .dot is written next to the requested file and `GraphvizMissing` (exit
+  code 3) says how to install graphviz.
 
 Shapes come from the graph's value_info; when that is incomplete, ONNX shape inference runs on
 the graph as loaded (without its external data), so the weights are never read.
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import html
+import itertools
 import math
 import re
 import shutil
@@ -39,20 +44,29 @@ FORMATS = ("dot", "svg", "png", "txt")
 EXIT_NO_GRAPHVIZ = 3
 # /model/layers.3/self_attn/q_proj/MatMul, /model.layers.3.mlp.down_proj/fp8/Mul_6, model.layers.3.…weight
 LAYER_IN_NAME = re.compile(r"(?:^|[/.])layers\.(\d+)(?=[/.]|$)")
-KV_LAYER = r"^(?:past|present|cache)_(?:key|value)\.(\d+)$"
+# KV cache and (hybrids' linear-attention layers) conv / recurrent state, in and out, by layer
+KV_LAYER = r"^(?:(?:past|present|cache)_(?:key|value)|(?:present_)?(?:conv|recurrent)_state)\.(\d+)$"
 LAYER_WEIGHT = re.compile(rf"^model\.layers\.(\d+)\.|{KV_LAYER}")  # inputs that place an unnamed node
 LAYER_OUTPUT = re.compile(rf"^/?model[./]layers\.(\d+)[./]|{KV_LAYER}")
 ROLE_BY_NAME = {"input_ids": "ids", "attention_mask": "mask", "position_ids": "positions", "logits": "logits"}
-KV_NAME = re.compile(r"^(past_key|past_value|present_key|present_value|cache_key|cache_value)\.\d+$")
-COLOURS = {  # fill colour by I/O role; the legend in the picture's title says which is which
-    "ids": "#dbeafe", "mask": "#dbeafe", "positions": "#dbeafe",
-    "past_key": "#fed7aa", "past_value": "#fed7aa", "present_key": "#fb923c", "present_value": "#fb923c",
-    "cache_key": "#fed7aa", "cache_value": "#fed7aa",  # the past buffer itself, shared (ONNX Runtime decode)
-    "scale": "#fde047", "logits": "#bbf7d0", "state": "#e9d5ff",
-}
-LEGEND = ("ids / mask / positions: blue · past KV (in): light orange · present KV (out): orange · "
-          "scale inputs: yellow · logits: green · weights listed in their node")
-SMALL_CONSTANT = 16  # initializers this small without a dotted name (shape vectors, axes) stay out of the picture
+KV_NAME = re.compile(r"^((?:past|present|cache)_(?:key|value)|(?:present_)?(?:conv|recurrent)_state)\.\d+$")
+# Fill colour by I/O role, and the legend under the picture's title (only the roles the graph has)
+LEGEND: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("ids", "mask", "positions"), "ids / mask / positions", "#dbeafe"),
+    (("past_key", "past_value"), "past KV (in)", "#fed7aa"),
+    (("present_key", "present_value"), "present KV (out)", "#fb923c"),
+    (("cache_key", "cache_value"), "cache KV (out: the past buffer, updated in place)", "#fed7aa"),
+    (("conv_state", "recurrent_state"), "conv / recurrent state (in)", "#e9d5ff"),
+    (("present_conv_state", "present_recurrent_state"), "conv / recurrent state (out)", "#c084fc"),
+    (("scale",), "scale inputs", "#fde047"),
+    (("logits",), "logits", "#bbf7d0"),
+)
+COLOURS = {role: colour for roles, _, colour in LEGEND for role in roles}
+NO_ROLE, BOX, DRAWN = "#f3f4f6", "#e5e7eb", "#2563eb"  # I/O without a role; collapsed layer; drawn layer's frame
+# A PNG is scaled down to fit one screen (graphviz `size`, at `dpi`); the SVG keeps the full size
+PNG_DPI = 96
+PNG_MAX_PX = (1920, 1200)
+SMALL_CONSTANT = 16  # initializers this small (shape vectors, axes) stay out of the picture, unless a model weight
 
 
 class GraphvizMissing(Qwen2omError):
@@ -105,8 +119,8 @@ class GraphView:
 
     def is_weight(self, name: str) -> bool:
         """A model weight or table, not a shape vector or axes constant (those stay out of pictures)."""
-        t = self.initializers.get(name)
-        return t is not None and ("." in name or t.numel > SMALL_CONSTANT)
+        t = self.initializers.get(name)  # `/model/rotary.half` is a constant of ours, `model.norm.weight` a weight
+        return t is not None and (t.numel > SMALL_CONSTANT or "." in name and not name.startswith("/"))
 
     def type_of(self, name: str) -> TensorType:
         return self.types.get(name) or self.initializers.get(name) or TensorType("?", None)
@@ -282,30 +296,73 @@ def dot_attrs(**attrs: str) -> str:
 
 
 def scope(name: str, layer: int | None) -> tuple[str, str]:
-    """(module inside the layer, the rest of the name): /model/layers.0/self_attn/q_proj/MatMul →
-    (self_attn, q_proj/MatMul)."""
+    """(module, the rest of the name): /model/layers.0/self_attn/q_proj/MatMul → (self_attn,
+    q_proj/MatMul); outside the layers, /model/attention_lengths/seqlens_k → (attention_lengths,
+    seqlens_k)."""
     m = LAYER_IN_NAME.search(name)
     if layer is None or not m:
-        return "", name.lstrip("/")
+        outside = re.match(r"^/?model/([^/]+)/(.+)$", name)
+        return (outside.group(1), outside.group(2)) if outside else ("", name.lstrip("/"))
     rest = name[m.end():].lstrip("/.")
     parts = re.split(r"[/.]", rest, maxsplit=1)
     return (parts[0], parts[1]) if len(parts) == 2 else ("", rest)
 
 
-def short_weight(name: str, layer: int | None) -> str:
-    return re.sub(rf"^model\.layers\.{layer}\.", "", name) if layer is not None else name
+def short_weight(name: str, layer: int | None, module: str = "") -> str:
+    """A weight's name inside its layer (self_attn.q_proj.weight) or a module's constant inside the
+    module (/model/attention_lengths.slots → slots)."""
+    if layer is not None:
+        return re.sub(rf"^model\.layers\.{layer}\.", "", name)
+    return name.removeprefix(f"/model/{module}.") if module else name
+
+
+def io_names(names: Sequence[str]) -> str:
+    """KV and state names paired up: past_key.1, past_value.1 → past_key/value.1."""
+    groups: dict[str, list[str]] = {}
+    for t in names:
+        groups.setdefault(t.replace("_value.", "_key.").replace("recurrent_state.", "conv_state."), []).append(t)
+    return ", ".join(
+        g[0] if len(g) == 1 else re.sub(r"_key\.", "_key/value.", k) if "_key." in k
+        else re.sub(r"conv_state\.", "conv/recurrent_state.", k) if "conv_state." in k else ", ".join(g)
+        for k, g in groups.items())
+
+
+def html_text(s: str) -> str:
+    return html.escape(s, quote=True).replace("\n", "<br/>")
+
+
+def legend(title: str, roles: Iterable[str], layout: Layout) -> str:
+    """The picture's title and, under it, one cell per I/O role the graph has, in its colour."""
+    have = set(roles)
+    cells = [(colour, text) for rs, text, colour in LEGEND if have.intersection(rs)]
+    if layout.expanded is not None:
+        cells += [("white", f"layers.{layout.expanded}: drawn node by node (blue frame)")] + (
+            [(BOX, "other layers: one box each, in order")] if layout.collapsed else [])
+    row = "".join(f'<td bgcolor="{colour}">{html_text(text)}</td>' for colour, text in cells)
+    row += '<td border="0">weights: listed in their node</td>'
+    return (f'<<table border="0" cellborder="1" cellspacing="3" cellpadding="3"><tr><td border="0" '
+            f'colspan="{len(cells) + 1}"><font point-size="14">{html_text(title)}</font></td></tr><tr>{row}</tr>'
+            "</table>>")
 
 
 def to_dot(view: GraphView, layer: int = 0, full: bool = False) -> tuple[str, int]:
     """DOT text of the graph (layers other than `layer` collapsed unless `full`), and how many
-    boxes it draws."""
+    boxes it draws.
+
+    The layers make one column, in order: a box per collapsed layer, and in the drawn layer's place
+    a box pointing at its node-by-node cluster, which stands beside the column. Edges between the
+    column and the cluster, or from the column to the nodes after the last layer, leave the ranking
+    to invisible edges along the column, so the column reads top to bottom from the embedding to
+    the LM head and the picture is as tall as the longer of the two, not their sum."""
     layout = Layout.choose(view, layer, full)
     collapsed = boxes(view, layout)
     producer: dict[str, str] = {}
     ids: dict[int, str] = {}
+    layer_of_id: dict[str, int | None] = {}
     for i, n in enumerate(view.nodes):
         g = layout.group(n)
         ids[i] = f"L{g}" if g is not None else f"n{i}"
+        layer_of_id[ids[i]] = n.layer
         for o in n.outputs:
             if o:
                 producer[o] = ids[i]
@@ -327,72 +384,69 @@ def to_dot(view: GraphView, layer: int = 0, full: bool = False) -> tuple[str, in
         f"; layer {layout.expanded} drawn node by node, {len(layout.collapsed)} others collapsed"
         if layout.expanded is not None else "")
     out = [f"digraph {dot_quote(view.title)} {{",
-           "  graph " + dot_attrs(label=f"{title}\n{LEGEND}", labelloc="t", fontname="Helvetica", fontsize="12",
-                                  rankdir="TB", nodesep="0.2", ranksep="0.3") + ";",
+           f"  graph [label={legend(title, view.roles.values(), layout)}, labelloc=\"t\", fontname=\"Helvetica\", "
+           'fontsize="12", rankdir="TB", nodesep="0.15", ranksep="0.2", compound="true"];',
            "  node " + dot_attrs(shape="box", style="rounded,filled", fillcolor="white", fontname="Helvetica",
-                                 fontsize="9", margin="0.06,0.03") + ";",
+                                 fontsize="9", margin="0.06,0.03", height="0.25", width="0.4") + ";",
            "  edge " + dot_attrs(fontname="Helvetica", fontsize="7", color="#555555", fontcolor="#333333",
                                  arrowsize="0.5") + ";"]
     drawn = 0
-    for name in view.inputs:
-        if name not in folded_io and name in consumers:
+    for kind, names in (("in", view.inputs), ("out", view.outputs)):
+        for name in names:
+            if name in folded_io or kind == "in" and name not in consumers:
+                continue
             role = view.roles.get(name, "")
-            out.append(f"  {dot_quote('in:' + name)} " + dot_attrs(
-                label=f"{name}\n{view.type_of(name)}", shape="ellipse", fillcolor=COLOURS.get(role, "#f3f4f6"),
-                tooltip=f"graph input {name} ({role or 'no role'})") + ";")
-            drawn += 1
-    for name in view.outputs:
-        if name not in folded_io:
-            role = view.roles.get(name, "")
-            out.append(f"  {dot_quote('out:' + name)} " + dot_attrs(
-                label=f"{name}\n{view.type_of(name)}", shape="ellipse", fillcolor=COLOURS.get(role, "#f3f4f6"),
-                tooltip=f"graph output {name} ({role or 'no role'})") + ";")
+            out.append(f"  {dot_quote(f'{kind}:{name}')} " + dot_attrs(
+                label=f"{name}\n{view.type_of(name)}", shape="ellipse", fillcolor=COLOURS.get(role, NO_ROLE),
+                tooltip=f"graph {kind}put {name} ({role or 'no role'})") + ";")
             drawn += 1
 
+    # Drawn nodes by (layer, module); outside the layers, a module of one node is not framed
+    scopes = {i: scope(n.name, n.layer) for i, n in enumerate(view.nodes) if layout.group(n) is None}
+    outside = collections.Counter(module for i, (module, _) in scopes.items() if view.nodes[i].layer is None)
     clusters: dict[tuple[int | None, str], list[str]] = collections.defaultdict(list)
-    for i, n in enumerate(view.nodes):
-        if layout.group(n) is not None:
-            continue
-        module, rest = scope(n.name, n.layer)
+    for i, (module, rest) in scopes.items():
+        n = view.nodes[i]
+        if n.layer is None and module and outside[module] < 2:
+            module, rest = "", n.name.lstrip("/")
         label = rest or n.op
         if not re.sub(r"_\d+$", "", label.rsplit("/", 1)[-1]) == n.op.rsplit("::", 1)[-1]:
             label += f"\n{n.op}"
         for w in (w for w in n.inputs if w in view.initializers and view.is_weight(w)):
-            label += f"\n{short_weight(w, n.layer)} {view.initializers[w]}"
+            label += f"\n{short_weight(w, n.layer, module)} {view.initializers[w]}"
         clusters[(n.layer, module)].append(f"n{i} " + dot_attrs(label=label, tooltip=n.name or n.op) + ";")
         drawn += 1
     for (lay, module), lines in clusters.items():
-        if lay is None:
-            out += [f"  {line}" for line in lines]
-            continue
-        out.append(f"  subgraph {dot_quote(f'cluster_layer{lay}')} {{")
-        out.append("    graph " + dot_attrs(label=f"layers.{lay}", style="rounded", color="#2563eb",
-                                             fontcolor="#2563eb") + ";")
+        indent = "  "
+        if lay is not None:
+            out.append(f"  subgraph {dot_quote(f'cluster_layer{lay}')} {{")
+            out.append("    graph " + dot_attrs(label=f"layers.{lay}", style="rounded", color=DRAWN,
+                                                 fontcolor=DRAWN) + ";")
+            indent += "  "
         if module:
-            out.append(f"    subgraph {dot_quote(f'cluster_layer{lay}_{module}')} {{")
-            out.append("      graph " + dot_attrs(label=module, style="rounded,dashed", color="#9ca3af",
-                                                   fontcolor="#6b7280") + ";")
-            out += [f"      {line}" for line in lines]
-            out.append("    }")
-        else:
-            out += [f"    {line}" for line in lines]
-        out.append("  }")
+            name = f"cluster_layer{lay}_{module}" if lay is not None else f"cluster_{module}"
+            out.append(f"{indent}subgraph {dot_quote(name)} {{")
+            out.append(f"{indent}  graph " + dot_attrs(label=module, style="rounded,dashed", color="#9ca3af",
+                                                       fontcolor="#6b7280") + ";")
+        out += [f"{indent}{'  ' if module else ''}{line}" for line in lines]
+        out += [f"{indent}}}"] if module else []
+        out += ["  }"] if lay is not None else []
 
     for g, b in collapsed.items():
         folded_in = [t for t in b.inputs if t in folded_io]
         scales = [t for t in folded_in if view.roles.get(t) == "scale"]
-        io = ", ".join(t for t in folded_in if t not in scales)
+        io = io_names([t for t in folded_in if t not in scales])
         if kv_out := [t for t in b.outputs if t in folded_io]:
-            io += " → " + ", ".join(kv_out)
+            io += " → " + io_names(kv_out)
         also = [t for t in b.inputs if t in shared and t not in folded_io]
         label = [f"layers.{g} · {len(b.nodes)} nodes · {sum(map(view.is_weight, b.weights))} weights",
-                 op_histogram(b.nodes, 4)]
-        label += [io] if io else []
-        label += [f"{len(scales)} scale inputs"] if scales else []
-        label += [f"+ {len(also)} shared inputs (drawn into layers.{layout.expanded})"] if also else []
+                 re.sub(r"\w+(?:\.\w+)*::", "", op_histogram(b.nodes, 4))]  # the domain is in the tooltip
+        more = ([io] if io else []) + ([f"{len(scales)} scale inputs"] if scales else []) + (
+            [f"+ {len(also)} shared inputs (drawn into layers.{layout.expanded})"] if also else [])
+        label += [" · ".join(more)] if more else []  # three lines at most: 27 boxes stack in the column
         tooltip = f"layers.{g}: {op_histogram(b.nodes)}" + (f"; also reads {', '.join(also)}" if also else "")
         out.append(f"  L{g} " + dot_attrs(label="\n".join(label), shape="box3d", style="filled",
-                                          fillcolor="#e5e7eb", margin="0.15,0.08", tooltip=tooltip) + ";")
+                                          fillcolor=BOX, margin="0.1,0.04", tooltip=tooltip) + ";")
         drawn += 1
 
     edges: set[tuple[str, str, str]] = set()
@@ -408,11 +462,61 @@ def to_dot(view: GraphView, layer: int = 0, full: bool = False) -> tuple[str, in
     for t in view.outputs:
         if t not in folded_io and t in producer:
             edges.add((producer[t], f"out:{t}", t))
+    free, extra = layer_column(view, layout, ids, producer, layer_of_id)
+    drawn += 0 if layout.expanded is None else 1  # the drawn layer's place in the column
     for src, dst, t in sorted(edges, key=lambda e: (_order(e[0]), _order(e[1]), e[2])):
-        out.append(f"  {dot_quote(src)} -> {dot_quote(dst)} " + dot_attrs(label=str(view.type_of(t)), tooltip=t)
-                   + ";")
+        # xlabel: placed after the layout, so labels do not double the ranks (and dot 2.43 loses labelled
+        # unconstrained edges: "lost n436 L3 edge")
+        attrs = {"xlabel": str(view.type_of(t)), "tooltip": t} | ({"constraint": "false"} if free(src, dst) else {})
+        out.append(f"  {dot_quote(src)} -> {dot_quote(dst)} " + dot_attrs(**attrs) + ";")
+    out += extra
     out.append("}")
     return "\n".join(out) + "\n", drawn
+
+
+def layer_column(view: GraphView, layout: Layout, ids: dict[int, str], producer: dict[str, str],
+                 layer_of_id: dict[str, int | None]) -> tuple[Callable[[str, str], bool], list[str]]:
+    """Which edges must not rank the picture, and the DOT lines that do: the drawn layer's place
+    L{k} in the column (pointing at its cluster) and invisible edges along the column L0..L{N-1},
+    from the embedding to the column's top and the drawn layer's entry nodes, and from the column's
+    bottom to the nodes after the last layer."""
+    if layout.expanded is None:
+        return lambda src, dst: False, []
+    k, column = layout.expanded, [f"L{x}" for x in view.layers]
+    layer_made = {o for n in view.nodes if n.layer is not None for o in n.outputs if o}
+    after = {ids[i] for i, n in enumerate(view.nodes) if n.layer is None and layer_made.intersection(n.inputs)}
+    # The column starts under what feeds the first layer alone (the embedding), not under what every
+    # layer reads (RoPE rows, the mask's lengths)
+    readers: dict[str, set[int | None]] = collections.defaultdict(set)
+    for n in view.nodes:
+        for t in n.inputs:
+            readers[t].add(n.layer)
+    start = view.layers[0]
+    top = {producer[t] for n in view.nodes if n.layer == start for t in n.inputs
+           if t in producer and layer_of_id[producer[t]] is None and readers[t] <= {start, None}}
+    # The drawn layer's entry: its nodes that read the layer before it (or, for the first, the embedding)
+    before = view.layers[view.layers.index(k) - 1] if k != start else None
+    entry = [f"n{i}" for i, n in enumerate(view.nodes) if n.layer == k and any(
+        t in producer and (producer[t] in top if before is None else layer_of_id[producer[t]] == before)
+        for t in n.inputs)] or [f"n{next(i for i, n in enumerate(view.nodes) if n.layer == k)}"]
+    boxes_ = set(column) - {f"L{k}"}
+
+    def free(src: str, dst: str) -> bool:
+        return ((src in boxes_) != (dst in boxes_) and not dst.startswith("out:")
+                or layer_of_id.get(src) == k and dst in after)
+
+    invisible = '[style="invis", weight="10"];'
+    lines = [f"  L{k} " + dot_attrs(
+        label=f"layers.{k} · {sum(n.layer == k for n in view.nodes)} nodes\ndrawn node by node",
+        style="rounded,bold", color=DRAWN, fontcolor=DRAWN, tooltip=f"layers.{k}: see its cluster") + ";",
+             f"  {dot_quote(f'L{k}')} -> {dot_quote(entry[0])} " + dot_attrs(
+        lhead=f"cluster_layer{k}", style="dashed", color=DRAWN, constraint="false") + ";"]
+    lines += [f"  {dot_quote(a)} -> {dot_quote(b)} {invisible}" for a, b in itertools.pairwise(column)]
+    lines += [f"  {dot_quote(a)} -> {dot_quote(column[0])} {invisible}" for a in sorted(top, key=_order)]
+    if before is not None:
+        lines += [f"  {dot_quote(a)} -> {dot_quote(b)} {invisible}" for a in sorted(top, key=_order) for b in entry]
+    lines += [f"  {dot_quote(column[-1])} -> {dot_quote(b)} {invisible}" for b in sorted(after, key=_order)]
+    return free, lines
 
 
 def _order(node_id: str) -> tuple[int, int | str]:
@@ -426,9 +530,12 @@ def _order(node_id: str) -> tuple[int, int | str]:
     return (3, node_id)
 
 
-def render(dot_text: str, out: Path, fmt: str) -> None:
+def render(dot_text: str, out: Path, fmt: str) -> float:
     """SVG/PNG through graphviz's `dot` (looked up on PATH now); without it, the .dot next to `out`
-    and GraphvizMissing (exit code 3)."""
+    and GraphvizMissing (exit code 3). A PNG is scaled down to fit PNG_MAX_PX at PNG_DPI (never up);
+    returns the scale graphviz drew it at (1.0 for SVG, which keeps the full size)."""
+    width, height = (px / PNG_DPI for px in PNG_MAX_PX)
+    fit = [f"-Gsize={width:g},{height:g}", f"-Gdpi={PNG_DPI}"] if fmt == "png" else []
     exe = shutil.which("dot")
     if exe is None:
         dot_file = out.with_suffix(".dot")
@@ -436,13 +543,15 @@ def render(dot_text: str, out: Path, fmt: str) -> None:
         raise GraphvizMissing(
             f"graphviz's `dot` is not installed, so {out} was not drawn. The graph is written to {dot_file}; "
             f"install graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; conda: "
-            f"conda install graphviz) and rerun, or draw it with: dot -T{fmt} {dot_file} -o {out}")
-    # cairo drawing with gd's palette PNG writer is a third the size of plain -Tpng; not every build has gd
+            f"conda install graphviz) and rerun, or draw it with: dot -T{fmt} {' '.join(fit + [str(dot_file)])} "
+            f"-o {out}")
+    # cairo drawing with gd's palette PNG writer is a third the size of plain -Tpng; not every build has gd.
+    # -Tplain (to stdout, from the same layout) starts with "graph SCALE WIDTH HEIGHT".
     for renderer in ((f"{fmt}:cairo:gd", fmt) if fmt == "png" else (fmt,)):
-        proc = subprocess.run([exe, f"-T{renderer}", "-o", str(out)], input=dot_text, text=True,
-                              capture_output=True, check=False)
+        proc = subprocess.run([exe, *fit, f"-T{renderer}", "-o", str(out), *(["-Tplain"] if fit else [])],
+                              input=dot_text, text=True, capture_output=True, check=False)
         if proc.returncode == 0:
-            return
+            return float(proc.stdout.split(maxsplit=2)[1]) if fit else 1.0
     raise Qwen2omError(f"graphviz's dot failed to draw {out} (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
 
 
@@ -455,6 +564,8 @@ class DumpResult:
     drawn: int  # boxes and lines in the dump
     expanded: int | None
     collapsed: int
+    scale: float = 1.0  # a PNG scaled down to fit one screen: below 1
+    note: str = ""  # what to say besides "wrote FILE": that a scaled PNG has a full-size SVG
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -475,6 +586,7 @@ def dump_graph(path: Path | str, out: Path | str, *, kind: str | None = None, la
         raise Qwen2omError(f"--dump-graph {out}: the directory {out.parent} does not exist")
     view = load_view(Path(path), kind)
     layout = Layout.choose(view, layer, full)
+    scale, note = 1.0, ""
     if fmt == "txt":
         text = to_text(view, layer, full)
         out.write_text(text, encoding="utf-8")
@@ -484,8 +596,12 @@ def dump_graph(path: Path | str, out: Path | str, *, kind: str | None = None, la
         if fmt == "dot":
             out.write_text(dot_text, encoding="utf-8")
         else:
-            render(dot_text, out, fmt)
-    return DumpResult(out, fmt, view.title, len(view.nodes), drawn, layout.expanded, len(layout.collapsed))
+            scale = render(dot_text, out, fmt)
+    if scale < 1:
+        note = (f"{out.name} is scaled to {scale:.0%} to fit {PNG_MAX_PX[0]}×{PNG_MAX_PX[1]} px; "
+                f"--dump-graph {out.with_suffix('.svg').name} draws every node and label at full size")
+    return DumpResult(out, fmt, view.title, len(view.nodes), drawn, layout.expanded, len(layout.collapsed),
+                      scale, note)
 
 
 def pass_dumper(graphs_dir: Path) -> Callable[[int, str, Any], None]:

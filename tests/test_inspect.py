@@ -8,20 +8,25 @@ absolute paths, timings or hashes, so they only change when the graphs do.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import struct
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import onnx
 import pytest
 
-from qwen2om.graphdump import EXIT_NO_GRAPHVIZ
+from qwen2om.graphdump import EXIT_NO_GRAPHVIZ, PNG_MAX_PX
 
 GOLDEN = Path(__file__).parent / "golden" / "inspect"
 SHA = re.compile(r"^[0-9a-f]{64}$")
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None and not os.environ.get("CI"),
+                               reason="graphviz's dot is not installed (apt-get install graphviz); CI installs it")
 
 
 def check_golden(name: str, got: str) -> None:
@@ -78,7 +83,8 @@ def test_dump_graph_dot_golden(cli, tiny: Path, tmp_path: Path) -> None:
     check_golden("tiny-qwen3.decode.dot", text)
     assert text.startswith('digraph "decode (model.decode.onnx)"')
     assert 'subgraph "cluster_layer0"' in text and 'subgraph "cluster_layer0_self_attn"' in text
-    assert "layers.3 · 39 nodes · 16 weights" in text  # the decode cache is shared, not sliced (fuse_attention)
+    assert "layers.3 · 39 nodes · 11 weights" in text  # the decode cache is shared, not sliced (fuse_attention)
+    assert "past_key/value.3 → present_key/value.3, cache_key/value.3" in text  # its own KV, named in its box
     assert 'label="float32[1,1,64]"' in text  # the residual stream between layers
     past = re.search(r'"in:past_key.0" \[label="past_key.0\\nfloat32\[1,2,256,32\]", shape="ellipse", '
                      r'fillcolor="([^"]+)"', text)
@@ -121,8 +127,7 @@ def test_scale_inputs_coloured_in_their_layer(cli, fp8: Path, tmp_path: Path) ->
     assert 'label="float32[?]"' not in text and "?[" not in text  # every edge typed
 
 
-@pytest.mark.skipif(shutil.which("dot") is None and not os.environ.get("CI"),
-                    reason="graphviz's dot is not installed (apt-get install graphviz); CI installs it")
+@needs_dot
 def test_render_svg_and_png(cli, tiny: Path, tmp_path: Path) -> None:
     for fmt in ("svg", "png"):
         out = tmp_path / f"decode.{fmt}"
@@ -133,6 +138,92 @@ def test_render_svg_and_png(cli, tiny: Path, tmp_path: Path) -> None:
     assert "/model/layers.0/self_attn/q_proj/MatMul" in svg and "#fed7aa" in svg
     png = (tmp_path / "decode.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 1 << 20
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the PNG's IHDR chunk."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def svg_boxes(svg: Path) -> dict[str, tuple[float, float, float, float]]:
+    """(x0, y0, x1, y1) of each node and cluster of a graphviz SVG, by its DOT name (y grows downward)."""
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    found = {}
+    for g in ET.parse(svg).getroot().iterfind(".//s:g", ns):
+        title, shape = g.find("s:title", ns), g.find(".//s:polygon", ns)
+        shape = g.find(".//s:path", ns) if shape is None else shape  # rounded: a path, not a polygon
+        if g.get("class") in ("node", "cluster") and title is not None and shape is not None:
+            xy = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", shape.get("points") or shape.get("d") or "")]
+            found[title.text or ""] = (min(xy[0::2]), min(xy[1::2]), max(xy[0::2]), max(xy[1::2]))
+    return found
+
+
+@needs_dot
+def test_png_fits_a_screen_svg_keeps_full_size(cli, tiny: Path, tmp_path: Path) -> None:
+    """The default PNG is scaled down to PNG_MAX_PX (it was 2,903×3,623 px); the result says so and
+    names the SVG, which is drawn at full size."""
+    code, stdout, err = cli("inspect", tiny, "--dump-graph", tmp_path / "decode.png", "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    width, height = png_size(tmp_path / "decode.png")
+    assert width <= PNG_MAX_PX[0] and height <= PNG_MAX_PX[1] == 1200
+    assert max(width / PNG_MAX_PX[0], height / PNG_MAX_PX[1]) > 0.99  # scaled to fit, not smaller
+    assert 0.4 < result["scale"] < 1 and "decode.svg draws every node and label at full size" in result["note"]
+    code, stdout, err = cli("inspect", tiny, "--dump-graph", tmp_path / "decode.svg", "--json")
+    assert code == 0 and json.loads(stdout)["scale"] == 1.0 and json.loads(stdout)["note"] == ""
+    svg_height_pt = float(re.search(r'<svg width="[\d.]+pt" height="([\d.]+)pt"',
+                                    (tmp_path / "decode.svg").read_text()).group(1))
+    assert svg_height_pt * 96 / 72 > PNG_MAX_PX[1]  # the SVG is not scaled
+    assert svg_height_pt * 96 / 72 * result["scale"] == pytest.approx(height, rel=0.01)  # the scale drawn at
+
+
+def test_hybrid_state_io_coloured_and_in_the_legend(cli, converted, tmp_path: Path) -> None:
+    """Qwen3.5's linear-attention layers: conv and recurrent state in and out, coloured by role like
+    the KV cache, and named in the legend; a collapsed linear layer names its own states."""
+    out = converted("tiny-qwen3-5", "fp32", "prefill_chunk=16")  # as test_hybrid_export converts it
+    for source in (out, out / "model.decode.onnx"):  # roles from the manifest, or from the names
+        dot = tmp_path / "hybrid.dot"
+        code, _, err = cli("inspect", source, "--dump-graph", dot)
+        assert code == 0, err
+        text = dot.read_text()
+        for node, colour in (("in:conv_state.0", "#e9d5ff"), ("in:recurrent_state.0", "#e9d5ff"),
+                             ("out:present_conv_state.0", "#c084fc"), ("out:present_recurrent_state.0", "#c084fc")):
+            fill = re.search(rf'"{re.escape(node)}" \[label="[^"]*", shape="ellipse", fillcolor="([^"]+)"', text)
+            assert fill and fill.group(1) == colour, node
+        assert '<td bgcolor="#e9d5ff">conv / recurrent state (in)</td>' in text
+        assert '<td bgcolor="#c084fc">conv / recurrent state (out)</td>' in text
+        assert "conv/recurrent_state.1 → present_conv/recurrent_state.1" in text  # in layers.1's box
+
+
+def test_layer_boxes_in_order_in_one_column(cli, tiny: Path, tmp_path: Path) -> None:
+    """Layers 0..3 are one column, in order, the drawn layer's place (L2) included and pointing at
+    its cluster; what comes after the last layer hangs under the column."""
+    out = tmp_path / "l2.dot"
+    assert cli("inspect", tiny, "--dump-graph", out, "--layer", "2")[0] == 0
+    text = out.read_text()
+    assert re.search(r'\n  L2 \[label="layers.2 · 39 nodes\\ndrawn node by node"', text)
+    assert '"L2" -> "n' in text and 'lhead="cluster_layer2"' in text
+    chain = re.findall(r'^  "(L\d)" -> "(L\d)" \[style="invis"', text, re.M)
+    assert chain == [("L0", "L1"), ("L1", "L2"), ("L2", "L3")]
+
+
+@needs_dot
+def test_layer_column_drawn_beside_the_cluster(cli, tiny: Path, tmp_path: Path) -> None:
+    """As drawn: the four layers' boxes top to bottom, one above the other, beside the drawn layer's
+    cluster (not under it, which made the picture as tall as both)."""
+    for layer in (0, 2):
+        svg = tmp_path / f"l{layer}.svg"
+        assert cli("inspect", tiny, "--dump-graph", svg, "--layer", str(layer))[0] == 0
+        boxes = svg_boxes(svg)
+        column = [boxes[f"L{i}"] for i in range(4)]
+        cluster = boxes[f"cluster_layer{layer}"]
+        assert all(a[3] < b[1] for a, b in itertools.pairwise(column)), column  # in order, downward
+        centres = [(x0 + x1) / 2 for x0, _, x1, _ in column]
+        assert max(centres) - min(centres) < 2, centres  # one column
+        assert all(x1 < cluster[0] or x0 > cluster[2] for x0, _, x1, _ in column)  # beside the cluster
+        assert column[-1][3] < cluster[3]  # the last layer's box ends above the cluster's bottom
 
 
 def test_graphviz_absent(cli, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,6 +262,45 @@ def test_help_paragraphs_wrap_to_the_terminal(cli, monkeypatch) -> None:
         in two. Exit codes: 0 = fine;
         1 = not fine
         - an item""") == "First.\n\nSecond paragraph, cut in two. Exit codes: 0 = fine;\n1 = not fine\n- an item"
+
+
+def test_help_shows_no_metavar_after_boolean_flags(cli, monkeypatch) -> None:
+    """typer 0.29's rich help printed `--force <bool>`, as if the flag took a value: in every command's
+    --help a flag is followed by its help text, any other option by its metavar (`<path>`, FILE)."""
+    import re
+
+    import typer.main
+    from typer.core import TyperOption
+
+    from qwen2om.cli import app
+
+    def commands(cmd: object, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+        subs = getattr(cmd, "commands", {})
+        return [(path, cmd), *(c for name, sub in subs.items() for c in commands(sub, (*path, name)))]
+
+    monkeypatch.setenv("COLUMNS", "200")
+    found = commands(typer.main.get_command(app))
+    assert {p for p, _ in found} >= {(), ("convert",), ("run",), ("eval",), ("eval", "ppl"), ("doctor",)}
+    for path, cmd in found:
+        code, stdout, _ = cli(*path, "--help")
+        assert code == 0 and "<bool>" not in stdout, path
+        options = [p for p in cmd.params if isinstance(p, TyperOption) and not p.hidden]  # type: ignore[attr-defined]
+        for p in options:
+            opt = next(o for o in p.opts if o.startswith("--"))
+            row = re.search(rf"^│[\s*]*{re.escape(opt)}((?:\s+-[\w-]+)*)\s+(\S+)", stdout, re.M)
+            assert row, (path, opt)
+            if p.is_flag:
+                assert not row[2].startswith("<"), (path, opt, row[0])
+            else:
+                assert row[2].startswith("<") or row[2] == p.metavar, (path, opt, row[0])
+        assert re.search(r"^│\s+--help\s+Show this message", stdout, re.M), path
+
+
+def test_fp8_checkpoint_title_says_the_format_once(cli) -> None:
+    """The quantised-weights table of an FP8 checkpoint was titled "(fp8 · fp8)"."""
+    code, stdout, _ = cli("inspect", "builtin:tiny-qwen3-fp8")
+    text = " ".join(stdout.split())
+    assert code == 0 and "quantised weights (fp8 · e4m3 · 128×128 blocks)" in text and "fp8 · fp8" not in text
 
 
 def test_top_level_help_names_real_builtins(cli) -> None:
