@@ -10,7 +10,7 @@ from qwen2om.errors import Qwen2omError
 
 PREFIX = "builtin:"
 # Bump when the fixtures change, so stale caches are rebuilt rather than reused.
-FIXTURE_VERSION = "2"
+FIXTURE_VERSION = "3"
 
 
 def cache_root() -> Path:

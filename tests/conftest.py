@@ -11,6 +11,19 @@ import pytest
 
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
 
+# Fixtures that convert or calibrate a whole model: a test that takes one belongs to the full lane
+# (`slow`), whatever its own body costs, because in `make test-fast` it would pay for the fixture.
+WHOLE_MODEL_FIXTURES = {"converted", "tiny", "fp8", "engine", "out", "outs", "moe_out", "fp8_out", "reference",
+                        "calibrated", "w4", "qwen2_quantized", "ascend_out", "llmcompressor_ckpt"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The unit lane (`make test-fast`, `-m "not slow"`) drives one pass or one module on small
+    states; everything needing a whole conversion is `slow`, by fixture here or marked by hand."""
+    for item in items:
+        if WHOLE_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -207,6 +207,7 @@ def fake_atc(bin_dir: Path, body: str) -> None:
     atc.chmod(atc.stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.mark.slow
 def test_atc_runs_when_installed(tmp_path: Path, monkeypatch) -> None:
     """With `atc` on PATH the compile runs from OUT/ascend/, its logs are kept, each .om and its
     --mode=1 JSON are written; --dry-run leaves atc alone."""
@@ -231,6 +232,7 @@ def test_atc_runs_when_installed(tmp_path: Path, monkeypatch) -> None:
     assert not list((dry / "ascend").glob("*.om")) and not (dry / "ascend" / "calls.txt").exists()
 
 
+@pytest.mark.slow
 def test_atc_failure_surfaces_its_errors(tmp_path: Path, monkeypatch, cli) -> None:
     fake_atc(tmp_path / "bin", 'echo "ATC start working now"\n'
                                'echo "E19010: No parser is registered for Op [/m/Foo, optype [ai.onnx::18::Foo]]."\n'
@@ -242,6 +244,7 @@ def test_atc_failure_surfaces_its_errors(tmp_path: Path, monkeypatch, cli) -> No
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_next_hints_after_an_ascend_conversion_work_as_typed(cli, tmp_path: Path, monkeypatch) -> None:
     """The `next:` line after `convert --target ascend` named `python OUT/run.py`, which refuses Ascend
     ops; every command it names now runs as printed (run and verify on CPU, through the reference kernels)."""

@@ -40,6 +40,7 @@ def test_golden_decode_command(converted) -> None:
     assert text.startswith("#!/usr/bin/env bash") and "'--input_shape=input_ids:1,1;" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_every_graph_input_once_with_its_real_shape(tmp_path, kind: str) -> None:
     """Parsed back, --input_shape names every input of the ONNX graph itself (not the manifest),

@@ -358,6 +358,7 @@ def test_paths_of_the_wrong_kind_say_what_they_are(converted, cli, tmp_path) -> 
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_a_flag_overriding_a_set_says_so(cli, tmp_path) -> None:
     code, stdout, err = cli("convert", "builtin:tiny-qwen3", "-o", tmp_path / "o", "--set", "dtype=fp16", "--dtype",
                             "fp32", "--set", "max_seq_len=64", "--set", "prefill_chunk=16")

@@ -103,6 +103,7 @@ def test_non_finite_activations_name_their_sample_batched_or_flattened() -> None
     _finite_or_raise(torch.zeros(6, 4), 7, [11, 12], "its input")
 
 
+@pytest.mark.numerics
 def test_gptq_beats_round_to_nearest_on_correlated_inputs() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 256, generator=g) @ (torch.randn(256, 256, generator=g) * 0.1 + torch.eye(256))
@@ -227,6 +228,7 @@ def test_blocked_gram_is_the_full_product(k: int) -> None:
     assert torch.equal(g, g.T) and (k > GRAM_BLOCK) == (k >= 2048)
 
 
+@pytest.mark.numerics
 def test_awq_scales_protect_outlier_channels() -> None:
     """AWQ's scaled-and-clipped rounding beats plain rounding when a few input channels dominate."""
     from qwen2om.quant.awq import clip_quantize, search_scale
@@ -277,6 +279,7 @@ def test_int4_graph_matches_its_dequantised_weights(calibrated, tmp_path, method
     assert report.passed and report.max_abs <= 1e-3
 
 
+@pytest.mark.slow
 def test_asymmetric_zero_points_reach_matmulnbits(tmp_path) -> None:
     from qwen2om.convert import convert
     from qwen2om.verify import verify
@@ -583,6 +586,7 @@ def test_verify_tolerance_follows_the_int4_accuracy_level() -> None:
     assert tolerance(float_model)["max_abs"] == 1e-4  # nothing lowered: exact as before
 
 
+@pytest.mark.slow
 def test_quantized_lm_head_of_a_tied_model(tmp_path) -> None:
     """--quantize-lm-head on a tied model: its own int4 lm_head, the embedding stays float, convert
     lowers the head to MatMulNBits (its output is `logits` itself in fp32), and accuracy level 4

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from qwen2om.evaluate import agreement, perplexity
 
 
+@pytest.mark.numerics
 def test_perplexity_is_the_same_through_transformers_and_the_runtime(converted) -> None:
     out = converted("tiny-qwen3", "fp32")
     hf = perplexity("builtin:tiny-qwen3", "builtin:prose", window=48, max_windows=3)
@@ -41,6 +44,7 @@ def test_eval_cli_names_a_bad_path(cli, tmp_path) -> None:
     assert code == 2 and "neither a qwen2om output directory nor a checkpoint directory" in err
 
 
+@pytest.mark.slow
 def test_eval_notes_a_short_dataset_and_a_window_past_the_trained_positions(cli, tmp_path) -> None:
     # tiny-qwen3-trained was trained with max_position_embeddings 1024; the text gives one 1100-token window.
     from qwen2om.fixtures.trained import heldout_text

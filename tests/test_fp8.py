@@ -100,6 +100,7 @@ def test_export_keeps_fp8_and_scale_inputs(fp8_out: Path, checkpoint) -> None:
     assert 0 < checks["min"] <= checks["max"]
 
 
+@pytest.mark.numerics
 def test_verify_fp8_against_exact_dequantisation(fp8_out: Path) -> None:
     report = verify(fp8_out, "builtin:tiny-qwen3-fp8", tokens=32)
     assert len(report.prompts) == 3 and max(p.prompt_tokens for p in report.prompts) > 32  # spans two chunks
@@ -114,6 +115,7 @@ def test_verify_against_the_float_original_reports_the_error(fp8_out: Path) -> N
 
 @pytest.mark.parametrize("fmt,scale_dtype", [("hf", torch.float32), ("hf", torch.float16),
                                              ("ct-block", torch.bfloat16), ("ct-channel", torch.float32)])
+@pytest.mark.slow
 def test_layouts_and_scale_dtypes(checkpoint, tmp_path: Path, fmt: str, scale_dtype: torch.dtype) -> None:
     src = write_fp8_checkpoint(checkpoint("tiny-qwen3"), tmp_path / "ckpt", fmt=fmt, scale_dtype=scale_dtype)
     ckpt = Checkpoint(src)
@@ -137,6 +139,7 @@ def write_recipe(tmp_path: Path, fp8_line: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_bytes_storage_for_targets_without_fp8(tmp_path: Path) -> None:
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path, "  - lower_fp8: {storage: bytes}")
@@ -150,6 +153,7 @@ def test_bytes_storage_for_targets_without_fp8(tmp_path: Path) -> None:
     assert report.passed and report.max_abs <= 1e-4
 
 
+@pytest.mark.slow
 def test_upcast_at_conversion(tmp_path: Path) -> None:
     """Without lower_fp8 the weights are dequantised once, at conversion: plain float MatMuls."""
     out = tmp_path / "out"
@@ -162,6 +166,7 @@ def test_upcast_at_conversion(tmp_path: Path) -> None:
     assert report.passed and report.max_abs <= 1e-4
 
 
+@pytest.mark.slow
 def test_scales_as_constants(tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert("builtin:tiny-qwen3-fp8", out, overrides=[*SMALL, "scales=constants"])
@@ -298,6 +303,7 @@ def test_scale_values_match_checkpoint_dtype_variants(checkpoint, tmp_path: Path
 
 # -- calibrate --scheme fp8-block ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_calibrate_fp8_block_writes_the_hf_format(cli, checkpoint, tmp_path: Path) -> None:
     import transformers
 
@@ -429,6 +435,7 @@ def test_scale_map_must_match_the_graphs(fp8_out: Path, tmp_path: Path) -> None:
         check_scale_map(stage, sigs)
 
 
+@pytest.mark.slow
 def test_verify_aligned_fp8_against_transformers_own_load(cli, tmp_path: Path) -> None:
     """Every dimension a multiple of 128: transformers' own CPU load of the FP8 checkpoint is the
     reference, as it is, and the FP8 graph (scale inputs) matches it over 32 greedy steps."""

@@ -161,6 +161,7 @@ def test_decode_reads_the_shared_cache_in_place(outs, name: str, batch: int) -> 
                 assert np.array_equal(after[b, :, slot], got[f"present_{kv}.{layer}"][b, :, 0])
 
 
+@pytest.mark.slow
 def test_fused_prefill_with_gears_computes_what_the_portable_graph_computes(tmp_path: Path) -> None:
     """A prefill graph exported with gears (symbolic T: the kernel's lengths come from the mask's shape at
     run time) against its portable form, at every gear, on the same hard masks."""

@@ -154,6 +154,7 @@ def test_fused_base_names() -> None:
     assert fused_base(["x.gate", "x.gate_up"]) == ("x.", "gate+gate_up")
 
 
+@pytest.mark.slow
 def test_convert_fuses_qkv_and_gate_up(tmp_path: Path) -> None:
     """A calibrated tiny Qwen3 converts to 4 MatMulNBits per layer (qkv, o, gate_up, down) and
     decodes the same logits as its unfused conversion (accuracy level 0)."""

@@ -164,6 +164,7 @@ def test_ort_gears(converted, monkeypatch: pytest.MonkeyPatch, name: str) -> Non
     assert set(used) == {8, 16, 32}, used
 
 
+@pytest.mark.slow
 def test_w4a16_with_gears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """int4 linears (npu::WeightQuantBatchMatmulV2 between two Reshapes) on a symbolic-T graph: the
     Reshape back keeps T as its one -1; the output is legal and verifies at more than one gear."""

@@ -37,6 +37,7 @@ def drop_tensors(ckpt: Path, prefix: str) -> int:
     return len(gone)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_builtin_hybrids_load(checkpoint, name: str) -> None:
     ckpt = Checkpoint(checkpoint(name))

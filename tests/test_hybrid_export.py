@@ -16,6 +16,7 @@ HYBRIDS = ["tiny-qwen3-5", "tiny-qwen3-5-moe", "tiny-qwen3-next"]
 CHUNK = "prefill_chunk=16"  # the 51-token default prompt then takes four prefill calls
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_hybrid_verify(converted, name: str) -> None:
     """fp32: every greedy token equal over 32 steps, max |Δlogits| ≤ 1e-4, with a prompt longer than
@@ -87,6 +88,7 @@ def test_hybrid_fp8(converted, name: str) -> None:
     assert report.max_abs <= 1e-4 and report.agreement == 1.0, report.to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-qwen3-5", "tiny-qwen3-next"])
 def test_hybrid_w4a16(name: str, tmp_path) -> None:
     """GPTQ W4A16 of a hybrid, layer by layer through the static hybrid layers (zero states): the

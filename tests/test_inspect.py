@@ -408,6 +408,7 @@ def test_diff_two_onnx_files_and_wrong_pairs(cli, tiny: Path) -> None:
     assert code == 2 and "only read with --diff" in err
 
 
+@pytest.mark.slow
 def test_convert_dump_graph_after_each_pass(cli, tmp_path: Path) -> None:
     out = tmp_path / "out"
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "256", "--prefill-chunk", "32",

@@ -49,6 +49,7 @@ def test_llmcompressor_checkpoint_converts_and_matches_its_exact_dequantisation(
     assert report.passed and report.max_abs <= 1e-3
 
 
+@pytest.mark.numerics
 def test_llmcompressor_own_dequantisation_agrees(llmcompressor_ckpt, tmp_path) -> None:
     """Against llm-compressor's own decompressed model (transformers + compressed-tensors), which
     multiplies q·scale in bf16: same greedy token; logits differ only by that bf16 rounding of every

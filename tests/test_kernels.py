@@ -72,6 +72,7 @@ def run_decomposed(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.n
     (21, 8, 7, False, True),     # odd group size, int8 storage
     (32, 12, 0, True, True),     # per channel (group 0); N not a multiple of 8: the last word padded
 ])
+@pytest.mark.numerics
 def test_wqbmm_decomposition_matches_reference(k: int, n: int, group: int, packed: bool, with_offset: bool) -> None:
     q = RNG.integers(-8, 8, (k, n)).astype(np.int8)
     groups = 1 if group == 0 else -(-k // group)
@@ -104,6 +105,7 @@ def test_antiquant(offset: float, sqrt_mode: bool, dtype: int) -> None:
     assert np.array_equal(run_decomposed(model, {"x": x}), y)
 
 
+@pytest.mark.numerics
 def test_quant_rounds_half_even_and_saturates() -> None:
     x = np.array([0.5, 1.5, -2.5, 1000.0, -1000.0, 3.2], dtype=np.float32)
     assert ascend_quant(x, scale=1.0).tolist() == [0, 2, -2, 127, -128, 3]

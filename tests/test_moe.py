@@ -235,6 +235,7 @@ def fused_copy(src: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_fused_expert_layout(checkpoint, tmp_path: Path) -> None:
     src = fused_copy(checkpoint("tiny-qwen3-moe"), tmp_path / "fused")
     ckpt = Checkpoint(src)
@@ -281,6 +282,7 @@ def test_router_nan(cli, moe_ckpt: Path, tmp_path: Path) -> None:
     convert_fails(cli, moe_ckpt, tmp_path, "model.layers.0.mlp.gate.weight", "non-finite")
 
 
+@pytest.mark.slow
 def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> None:
     """The FP8 fixture generator's MoE layout (Qwen3-30B-A3B-FP8's): every expert its own e4m3fn
     weight and scale grid, routers float and listed in modules_to_not_convert."""
@@ -323,6 +325,7 @@ def test_fp8_moe_fixture_converts_and_verifies(checkpoint, tmp_path: Path) -> No
 CAL = ["--dataset", "builtin:prose", "--num-samples", "16", "--seq-len", "128", "--group-size", "32"]
 
 
+@pytest.mark.slow
 def test_gptq_moe_quantises_every_expert(cli, tmp_path: Path) -> None:
     ckpt_dir, out = tmp_path / "w4", tmp_path / "out"
     code, _, err = cli("calibrate", "builtin:tiny-qwen3-moe", "-o", ckpt_dir, *CAL)
@@ -380,6 +383,7 @@ def stored(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for shard in sorted(ckpt_dir.glob("*.safetensors")) for k, v in load_file(shard).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-5-moe"])
 def test_fused_experts_are_calibrated_per_expert(cli, checkpoint, name: str, tmp_path: Path) -> None:
     """Experts stored fused 3-D (the published Qwen3.5 MoE layout) are quantised expert by expert:
@@ -404,6 +408,7 @@ def test_fused_experts_are_calibrated_per_expert(cli, checkpoint, name: str, tmp
     assert report.passed and report.max_abs <= 1e-4
 
 
+@pytest.mark.numerics
 def test_fused_experts_gptq_equals_per_expert(cli, checkpoint, tmp_path: Path) -> None:
     """GPTQ reads the fused stacks' experts from the layer it runs: same bytes as from the per-expert original."""
     src = fused_copy(checkpoint("tiny-qwen3-moe"), tmp_path / "fused")
@@ -415,6 +420,7 @@ def test_fused_experts_gptq_equals_per_expert(cli, checkpoint, tmp_path: Path) -
     assert len([k for k in fused if k.endswith(".weight_packed") and ".experts." in k]) == 4 * 8 * 3
 
 
+@pytest.mark.slow
 def test_skewed_routing_falls_back_to_rtn(cli, tmp_path: Path) -> None:
     """Starved experts see no calibration token: RTN for them, named in the report and on screen."""
     ckpt_dir = tmp_path / "w4"
@@ -433,6 +439,7 @@ def test_skewed_routing_falls_back_to_rtn(cli, tmp_path: Path) -> None:
     assert verify(out, ckpt_dir, tokens=8, prompts=[VARIED]).passed
 
 
+@pytest.mark.slow
 def test_fp8_block_moe(cli, tmp_path: Path) -> None:
     ckpt_dir, out = tmp_path / "fp8", tmp_path / "out"
     code, _, err = cli("calibrate", "builtin:tiny-qwen3-moe", "-o", ckpt_dir, "--scheme", "fp8-block")
@@ -449,6 +456,7 @@ def test_fp8_block_moe(cli, tmp_path: Path) -> None:
     assert code == 0 and json.loads(stdout)["mean_kl"] < 0.05, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-5-moe"])
 def test_fp8_block_fused_experts_are_written_per_expert(cli, checkpoint, name: str, tmp_path: Path) -> None:
     """`--scheme fp8-block` on experts stored fused 3-D writes exactly what it writes for the per-expert

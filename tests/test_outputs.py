@@ -97,6 +97,7 @@ def test_conversion_is_deterministic(converted, tmp_path) -> None:
         assert sha256_file(first / name) == sha256_file(again / name), name
 
 
+@pytest.mark.slow
 def test_interrupted_conversion_writes_no_output_and_resumes(tmp_path, checkpoint) -> None:
     """Ctrl-C at the very last step: no OUT, the finished work kept in the hidden staging sibling;
     the same call with resume=True completes it and leaves nothing else behind."""
@@ -128,6 +129,7 @@ def test_interrupted_conversion_writes_no_output_and_resumes(tmp_path, checkpoin
     assert not (out / "journal.json").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_leaves_nothing(tmp_path, checkpoint) -> None:
     """An error in the input (here a pass argument that fails late) removes the staging directory."""
     import qwen2om.convert as conv

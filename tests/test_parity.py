@@ -9,6 +9,7 @@ from qwen2om.verify import verify
 MODELS = ["tiny-qwen2", "tiny-qwen2-untied", "tiny-qwen3", "tiny-qwen3-untied"]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", MODELS)
 def test_fp32_matches_transformers(converted, name: str) -> None:
     out = converted(name, "fp32")
@@ -21,6 +22,7 @@ def test_fp32_matches_transformers(converted, name: str) -> None:
     assert report.passed
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3-untied"])
 def test_fp16_top1_agreement(converted, name: str) -> None:
     out = converted(name, "fp16")
@@ -31,6 +33,7 @@ def test_fp16_top1_agreement(converted, name: str) -> None:
     assert report.max_abs < 0.1, report.to_dict()
 
 
+@pytest.mark.numerics
 def test_all_logits_prefill_matches(converted) -> None:
     """logits=all (every prefill position returned) gives the same parity."""
     out = converted("tiny-qwen3", "fp32", "logits=all")

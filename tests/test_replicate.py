@@ -54,6 +54,7 @@ def assert_same_graph(rep, full) -> None:
         assert np.array_equal(x, y), o.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-untied"])
 def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path) -> None:
     ws_rep, stats_rep = build(name, tmp_path, True)
@@ -64,6 +65,7 @@ def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path
         assert_same_graph(ws_rep["onnx_files"][kind], ws_full["onnx_files"][kind])
 
 
+@pytest.mark.slow
 def test_cloned_nodes_are_named_after_their_layer(tmp_path) -> None:
     ws, _ = build("tiny-qwen3", tmp_path, True)
     names = {n.name for n in ws["graphs"]["decode"].graph}
@@ -81,6 +83,7 @@ def test_a_graph_without_layer_scopes_is_refused() -> None:
         replicate_layers(ir.Model(graph, ir_version=8), 4)
 
 
+@pytest.mark.slow
 def test_hybrid_layers_clone_by_kind(tmp_path, monkeypatch) -> None:
     """Qwen3-Next with 8 layers (linear ×3, full, linear ×3, full): four layers traced, layers 4-7 cloned
     from the stamp of their kind (layer 3 for full attention, 2 for linear); same graph as all traced."""

@@ -155,6 +155,7 @@ def test_full_disk_is_found_before_writing(tmp_path, cli, monkeypatch) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_changed_shard_is_refused_on_resume(tmp_path, cli, checkpoint, monkeypatch) -> None:
     from qwen2om.passes import write_onnx
 
@@ -179,6 +180,7 @@ def test_changed_shard_is_refused_on_resume(tmp_path, cli, checkpoint, monkeypat
     assert partial_dir(out).is_dir() and not out.exists()  # nothing lost: restore the shard, or --force
 
 
+@pytest.mark.slow
 def test_resume_with_another_recipe_is_refused(tmp_path, cli, monkeypatch) -> None:
     from qwen2om.passes import write_onnx
 
@@ -192,6 +194,7 @@ def test_resume_with_another_recipe_is_refused(tmp_path, cli, monkeypatch) -> No
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_workers_above_the_core_count_are_capped(tmp_path, cli) -> None:
     from qwen2om.convert import available_cores
 
@@ -202,6 +205,7 @@ def test_workers_above_the_core_count_are_capped(tmp_path, cli) -> None:
     assert code == 2 and "--workers must be at least 1" in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_inside_the_exporter_is_an_interrupt(tmp_path, cli, monkeypatch) -> None:
     """torch.export wraps whatever its tracing raised, a Ctrl-C included, in its own error: that was
     reported as "torch.onnx.export failed" (exit 2) and the staging directory deleted."""

@@ -104,6 +104,7 @@ class Runner:
         return logits
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_hybrid_matches_transformers(name: str) -> None:
     """A 45-token prompt in 16-token chunks (three calls, the first left-padded: states carry across

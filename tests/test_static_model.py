@@ -24,6 +24,7 @@ def static_from_hf(model: torch.nn.Module, capacity: int, *, lazy: bool = False)
     return StaticQwen(arch, dims, weights, cos, sin, logits_last=False, fused_experts=fused).eval(), weights
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", [n for n, s in TINY.items() if "linear_num_value_heads" not in s.config])
 def test_prefill_and_decode_match_transformers(name: str) -> None:
     hf = build_tiny_model(TINY[name])

@@ -314,6 +314,7 @@ def test_cli_help_lists_every_preset() -> None:
     assert "--with" in run.stdout and "mtp" in run.stdout
 
 
+@pytest.mark.slow
 def test_one_layer_qwen3_30b_a3b_checkpoint_on_disk(tmp_path: Path) -> None:
     """The real widths, 1 of 48 layers: 128 experts x 3 tensors + the 311 MB embedding and head (2.5 GB)."""
     dest = write_synthetic_checkpoint("qwen3-30b-a3b", tmp_path / "ckpt", layers=1, seed=0)

@@ -71,6 +71,7 @@ def test_split_is_disjoint_and_matches_the_recorded_text() -> None:
     assert trained.sha256_text(held) == recorded["heldout_sha256"]
 
 
+@pytest.mark.numerics
 def test_heldout_perplexity_is_far_below_random(model: transformers.PreTrainedModel, tok: Tokenizer) -> None:
     ids = torch.tensor(tok.encode(trained.heldout_text()).ids)
     ppl, scored, windows = trained.perplexity(model, ids)
@@ -98,6 +99,7 @@ def test_tokenizer_round_trips_and_has_the_chatml_specials(ckpt: Path, tok: Toke
     assert ids[0] == trained.IM_START_ID and ids.count(trained.IM_END_ID) == 1
 
 
+@pytest.mark.numerics
 def test_greedy_generation_is_not_degenerate(model: transformers.PreTrainedModel, tok: Tokenizer) -> None:
     prompt = torch.tensor([tok.encode(PROSE).ids])
     out = model.generate(prompt, max_new_tokens=32, do_sample=False)[0, prompt.shape[1]:].tolist()
