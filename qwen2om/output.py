@@ -28,17 +28,10 @@ def partial_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
-@contextlib.contextmanager
-def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
-                  resumable: bool = True, log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
-    """A staging sibling of `out` that becomes `out` only if the block succeeds.
-
-    `out` is never half-written: it appears whole, by one rename, or not at all; with --force a
-    failed run leaves the previous `out` in place. The staging directory is removed when the
-    input was bad (nothing there is worth keeping) and kept after an interrupt, a full disk or
-    any other failure with finished work in it, for `--resume`; a command that cannot resume
-    (`resumable=False`: calibrate) removes it after any failure.
-    """
+def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
+                 resumable: bool = True) -> None:
+    """Refuse `out` as staged_output would, without touching anything: for commands that read data
+    for minutes before they stage (calibrate), so an existing OUT is named before that work."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")
@@ -55,6 +48,22 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
             raise OutputExistsError(f"an interrupted run into {out} left {stage}: rerun with --force to start over")
         raise OutputExistsError(f"an interrupted conversion into {out} is kept in {stage}: rerun with --resume "
                                 "to continue it, or with --force to start over")
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
+                  resumable: bool = True, log: Callable[[str], None] = lambda m: None) -> Iterator[Path]:
+    """A staging sibling of `out` that becomes `out` only if the block succeeds.
+
+    `out` is never half-written: it appears whole, by one rename, or not at all; with --force a
+    failed run leaves the previous `out` in place. The staging directory is removed when the
+    input was bad (nothing there is worth keeping) and kept after an interrupt, a full disk or
+    any other failure with finished work in it, for `--resume`; a command that cannot resume
+    (`resumable=False`: calibrate) removes it after any failure.
+    """
+    out = Path(out)
+    check_output(out, force=force, resume=resume, marker=marker, resumable=resumable)
+    stage = partial_dir(out)
     if stage.exists() and resume:
         log(f"resuming the interrupted conversion kept in {stage}")
     elif resume:

@@ -615,3 +615,21 @@ def test_quantized_lm_head_of_a_tied_model(tmp_path) -> None:
     assert head.output[0] == "logits"
     report = verify(out, str(ckpt), tokens=8, prompts=["The quick brown fox"])
     assert report.passed and report.tolerance["agreement"] == 0.90, report.to_dict()
+
+
+def test_an_existing_output_is_refused_before_the_data_is_read(tmp_path, cli, checkpoint, monkeypatch) -> None:
+    """OUT already there (without --force) is named before the dataset is read and tokenised."""
+    import qwen2om.quant.calibrate as cal
+
+    checkpoint("tiny-qwen3")
+
+    def untouchable(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the dataset was read before the existing output was refused")
+
+    monkeypatch.setattr(cal, "windows", untouchable)
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--group-size", "32")
+    assert code == 2 and "exists; pass --force" in err, err
+    assert (out / "keep.txt").read_text() == "mine"

@@ -35,7 +35,7 @@ from qwen2om.checkpoint import Checkpoint
 from qwen2om.datasets import windows
 from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
-from qwen2om.output import staged_output
+from qwen2om.output import check_output, staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.experts import (
     EXPERT,
@@ -569,8 +569,10 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
     ckpt.validate_layout()
     if cfg.scheme == "fp8-block":
         return calibrate_fp8(model, source, ckpt, out, cfg, force=force, progress=progress)
-    # Before any data or weight is read: a group that does not fit used to stop calibration minutes in.
+    # Before any data or weight is read: a group that does not fit, or an OUT that is there already,
+    # used to stop calibration only after the dataset was read and tokenised.
     check_group_size(quantized_widths(ckpt, cfg), cfg.group_size)
+    check_output(Path(out), force=force, marker=REPORT, resumable=False)
     t0 = time.perf_counter()
     data = None
     if cfg.method != "rtn":
