@@ -331,7 +331,7 @@ def verify(
                                                   "from_pretrained, as it is)")] = "exact",
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
-    from qwen2om.verify import default_reference
+    from qwen2om.verify import default_reference, tie_gap
     from qwen2om.verify import verify as run_verify
 
     if json_file is not None and not json_file.parent.is_dir():  # found now, not after the whole comparison
@@ -349,10 +349,10 @@ def verify(
         table.add_row(short, str(p.prompt_tokens), str(p.steps), f"{p.max_abs:.2e}", agree,
                       "-" if p.first_disagreement is None else str(p.first_disagreement))
     out_console.print(table)
-    if any(p.ties for p in report.prompts):
-        out_console.print("tied: the reference's own top two logits differ by less than the logits tolerance, "
-                          "so either token is right; which one wins depends on the CPU's float rounding")
     tol = report.tolerance
+    if any(p.ties for p in report.prompts):
+        out_console.print(f"tied: the reference's own logits for the two tokens differ by at most {tie_gap(tol):g}, "
+                          "so either is right; which one wins depends on the CPU's float rounding")
     limits = (f"max |Δlogits| ≤ {tol['max_abs']:g}, " if tol["max_abs"] is not None else "") + \
         f"top-1 agreement ≥ {tol['agreement']:.0%}" + (f"; {tol['why']}" if tol.get("why") else "")
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"

@@ -4,10 +4,11 @@ The reference (transformers, float32, eager attention) generates greedily; the c
 then fed the same tokens (teacher forcing), so one early disagreement cannot cascade and every
 step's logits are compared like for like. A step agrees when the compiled argmax equals the
 reference's greedy token, or when the two tokens are tied in the reference: their reference logits
-differ by no more than the logits tolerance (fp32: 1e-4). Random tiny models give near-ties, and
-which of two tokens tied to 1e-6 wins argmax depends on the CPU's float kernels, not on the
-conversion; such a step is counted as a tie in the report. A dtype without a logits tolerance
-(fp16) has no ties: every step's argmax must match.
+differ by no more than TIE (fp32: its logits tolerance, 1e-4; 16-bit compute: 1e-2). Random tiny
+models give near-ties (gaps of 6e-4 and 9e-6 between the top two seen on builtin:tiny-qwen3), and
+which of two tokens so close wins argmax depends on the CPU's float kernels and the compute dtype's
+rounding, not on the conversion; such a step is counted as a tie in the report. A wrong kernel
+still fails: its disagreements are spread over all gaps, not only the smallest.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ ACCURACY_LEVEL_TOLERANCES = {
     3: {"max_abs": None, "agreement": 0.90, "why": "MatMulNBits accuracy_level 3: bf16 compute"},
     4: {"max_abs": None, "agreement": 0.90, "why": "MatMulNBits accuracy_level 4: int8 activations"},
 }
+
+
+# The reference-logit gap under which two tokens are tied (module docstring). fp32: its own
+# logits tolerance. Without one (fp16, or int4 computing in bf16/int8): fp16 keeps 11 significant
+# bits, so logits of magnitude 2-8 round by up to 2e-3 per operation; the fp16 tiny models' steps
+# differ from the float32 reference by 1.4e-3-3.1e-3 (measured), and 1e-2 is about three of those.
+TIE = {"bounded": 1e-4, "unbounded": 1e-2}
+
+
+def tie_gap(tol: dict[str, Any]) -> float:
+    return TIE["bounded"] if tol["max_abs"] is not None else TIE["unbounded"]
 
 
 def tolerance(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +262,7 @@ def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, 
     long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None
     texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, *([long] if long else [])]
     tol = tolerance(manifest)
-    tie = tol["max_abs"] or 0.0
+    tie = tie_gap(tol)
     results = []
     for i, text in enumerate(texts):
         progress("verifying", i, len(texts))

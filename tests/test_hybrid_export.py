@@ -67,10 +67,12 @@ def test_runtime_owns_states(converted) -> None:
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-5", "tiny-qwen3-next"])
 def test_hybrid_fp16(converted, name: str) -> None:
-    """fp16 graphs (recurrent state still float32): greedy tokens agree, logits close."""
+    """fp16 graphs (recurrent state still float32): greedy tokens agree, logits close. The bound is
+    fp16's rounding through four layers: under the old bound 0.1 on fixtures v2, 0.155 on tiny-qwen3-5 v3
+    (one of its prompts; 0.016 on the first); 0.25 is ~1.6x that, and a wrong graph is off by whole units."""
     report = verify(converted(name, "fp16", CHUNK), f"builtin:{name}", tokens=32)
     assert report.dtype == "float16"
-    assert report.agreement >= 0.99 and report.max_abs < 0.1, report.to_dict()
+    assert report.agreement >= 0.99 and report.max_abs < 0.25, report.to_dict()
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-5-fp8", "tiny-qwen3-next-fp8"])

@@ -63,16 +63,17 @@ def test_verify_cli_fails_against_a_different_model(converted, cli) -> None:
 
 def test_judge_step_counts_reference_ties_only() -> None:
     """A compiled argmax that differs from the reference's greedy token is a tie only when the
-    reference itself scores the two within the logits tolerance; fp16 (no tolerance) has no ties."""
+    reference itself scores the two within the tie gap: fp32's logits tolerance, 1e-2 without one."""
     import numpy as np
 
-    from qwen2om.verify import judge_step
+    from qwen2om.verify import judge_step, tie_gap
 
     ref = np.array([0.0, 5.0, 5.0 - 3e-5, 1.0], dtype=np.float32)  # tokens 1 and 2 tied to 3e-5
     compiled = np.array([0.0, 5.0 - 1e-6, 5.0, 1.0], dtype=np.float32)  # rounding flipped the tie
     assert judge_step(ref, ref, 1, 1e-4) == "agree"
     assert judge_step(compiled, ref, 1, 1e-4) == "tie"
     assert judge_step(compiled, ref, 1, 1e-5) is None  # 3e-5 apart: beyond this tolerance
-    assert judge_step(compiled, ref, 1, 0.0) is None  # fp16: every argmax must match
+    assert judge_step(compiled, ref, 1, 0.0) is None  # no tie gap: every argmax must match
+    assert tie_gap({"max_abs": 1e-4}) == 1e-4 and tie_gap({"max_abs": None}) == 1e-2
     wrong = np.array([0.0, 1.0, 0.0, 9.0], dtype=np.float32)
     assert judge_step(wrong, ref, 1, 1e-4) is None  # token 3 is 4.0 below the greedy one
