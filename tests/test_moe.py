@@ -487,3 +487,28 @@ def test_moe_layers_are_cloned_from_the_template(moe_out) -> None:
     manifest = json.loads((moe_out["tiny-qwen3-moe"] / "manifest.json").read_text())
     stats = next(s["stats"] for s in manifest["stages"] if s["pass"] == "export_onnx")
     assert stats["decode_layers_traced"] == 2 and stats["prefill_layers_traced"] == 2
+
+
+# sha256 over the bf16 weights (sorted names, raw bytes) as built on a 2-core AMD EPYC (AVX-512) and,
+# identically, under ATEN_CPU_CAPABILITY=default/avx2 with MKL_CBWR=COMPATIBLE and one thread.
+BUILT = {"tiny-qwen3": "68d0b451160223a01a3212ed589e78cbb7d2a915c92c5304addca4f2c9a468d9",
+         "tiny-qwen3-moe": "bf17549601ad298c0959999c472275053e06e1087e255bf803dd3a4a0ed9c7f0",
+         "tiny-qwen2-moe": "9d83ddceb832f8779e34f05c32b32d53f6840b4d4aed45d564e9243af0ef3db0"}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", sorted(BUILT))
+def test_builtin_weights_are_the_same_bytes_on_every_cpu(name: str) -> None:
+    """The fixtures are built in float64 with canonical SVD/QR signs (fixtures/tiny.py): under other
+    kernels the MoE routers used to come out wholly different (an SVD sign flip), and with them which
+    prompt reaches every expert. A fixture change must update these hashes, on purpose."""
+    import hashlib
+
+    from qwen2om.fixtures.tiny import TINY, build_tiny_model
+
+    state = build_tiny_model(TINY[name]).to(torch.bfloat16).state_dict()
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
+    assert digest.hexdigest() == BUILT[name]
