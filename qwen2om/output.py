@@ -28,6 +28,27 @@ def partial_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def refuse_foreign_files(out: Path) -> None:
+    """--force replaces a conversion's OUT only when qwen2om wrote all of it: a qwen2om manifest
+    (`format_version`, qwen2om among its tools), and no file beside it that the manifest does not
+    list. A browser extension or web app has a manifest.json too; a user's own notes may sit in OUT."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        listed = {f["name"] for f in manifest["files"]}
+        ours = "format_version" in manifest and "qwen2om" in manifest["tools"]
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = False
+    if not ours:
+        raise OutputExistsError(f"{out}/{MANIFEST} is not a qwen2om manifest: refusing to replace {out}, "
+                                "even with --force")
+    foreign = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                     if not p.is_dir() and str(p.relative_to(out)) not in listed | {MANIFEST})
+    if foreign:
+        shown = ", ".join(repr(f) for f in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputExistsError(f"{out} holds files qwen2om did not write ({shown}): refusing to replace it, even "
+                                "with --force; move them out first")
+
+
 def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
                  resumable: bool = True) -> None:
     """Refuse `out` as staged_output would, without touching anything: for commands that read data
@@ -42,6 +63,8 @@ def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = 
         # arbitrary folder (think `-o ~ --force`).
         raise OutputExistsError(
             f"{out} is not empty and holds no {marker}: refusing to replace it, even with --force")
+    if out.exists() and marker == MANIFEST and any(out.iterdir()):
+        refuse_foreign_files(out)
     stage = partial_dir(out)
     if stage.exists() and not resume and not force:
         if not resumable:

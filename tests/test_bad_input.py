@@ -101,16 +101,32 @@ def test_force_refuses_a_folder_that_is_not_an_output(cli, tmp_path) -> None:
 
 def test_output_exists_needs_force(cli, converted, checkpoint, tmp_path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
-    (out / "manifest.json").write_text("{}")  # an earlier qwen2om output
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)  # an earlier qwen2om output
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64")
     assert code != 0 and "--force" in err and str(out) in err
-    assert (out / "keep.txt").read_text() == "precious"
     code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16",
                        "--force")
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    assert json.loads((out / "manifest.json").read_text())["runtime"]["capacity"] == 64
+
+
+def test_force_never_deletes_what_qwen2om_did_not_write(cli, converted, tmp_path) -> None:
+    """Issue 21, finding 1: a folder with someone else's manifest.json (a browser extension), or a
+    qwen2om output with the user's own file added, is not replaced by --force; the files are named."""
+    ext = tmp_path / "myext"
+    (ext / "src").mkdir(parents=True)
+    (ext / "manifest.json").write_text('{"manifest_version": 3}')
+    (ext / "src" / "important.js").write_text("x")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", ext, "--max-seq-len", "64", "--force")
+    assert code == 2 and "not a qwen2om manifest" in err, err
+    assert (ext / "src" / "important.js").read_text() == "x"
+    out = tmp_path / "out"
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    (out / "notes.md").write_text("mine")
+    code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64", "--force")
+    assert code == 2 and "did not write ('notes.md')" in err, err
+    assert (out / "notes.md").read_text() == "mine"
+    assert not list(tmp_path.glob(".*.partial"))
 
 
 def test_config_refusals_come_before_any_work(cli, ckpt, tmp_path, monkeypatch) -> None:

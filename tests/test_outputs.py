@@ -212,7 +212,8 @@ def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch)
 
     out = tmp_path / "out"
     out.mkdir()
-    (out / "manifest.json").write_text("old")
+    old = '{"format_version": 1, "tools": {"qwen2om": "0"}, "files": []}'  # a (bare) earlier output
+    (out / "manifest.json").write_text(old)
     real_rename = Path.rename
 
     def rename(self: Path, target: Path) -> Path:
@@ -224,7 +225,7 @@ def test_failed_final_rename_restores_the_previous_output(tmp_path, monkeypatch)
     with pytest.raises(Qwen2omError, match="cannot move the finished output"):
         with staged_output(out, force=True) as stage:
             (stage / "manifest.json").write_text("new")
-    assert (out / "manifest.json").read_text() == "old"
+    assert (out / "manifest.json").read_text() == old
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
