@@ -28,6 +28,18 @@ def partial_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def lock_dir(path: Path) -> int | None:
+    """An exclusive lock on the directory `path` (its descriptor; close it to release), or None
+    when another process holds it: how a running conversion marks its staging folder."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def refuse_foreign_files(out: Path) -> None:
     """--force replaces a conversion's OUT only when qwen2om wrote all of it: a qwen2om manifest
     (`format_version`, qwen2om among its tools), and no file beside it that the manifest does not
@@ -66,6 +78,12 @@ def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = 
     if out.exists() and marker == MANIFEST and any(out.iterdir()):
         refuse_foreign_files(out)
     stage = partial_dir(out)
+    if stage.exists():
+        held = lock_dir(stage)
+        if held is None:
+            raise OutputExistsError(f"another qwen2om is writing {stage} right now: wait for it to finish "
+                                    "(nothing was touched)")
+        os.close(held)
     if stage.exists() and not resume and not force:
         if not resumable:
             raise OutputExistsError(f"an interrupted run into {out} left {stage}: rerun with --force to start over")
@@ -93,7 +111,14 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
         log(f"nothing to resume ({stage} does not exist): starting from the beginning")
     try:
         if stage.exists() and not resume:
-            shutil.rmtree(stage)
+            # Locked before it is deleted: a --force run never removes the folder of a run in progress.
+            held = lock_dir(stage)
+            if held is None:
+                raise OutputExistsError(f"another qwen2om is writing {stage} right now: wait for it to finish")
+            try:
+                shutil.rmtree(stage)
+            finally:
+                os.close(held)
         stage.mkdir(parents=True, exist_ok=True)
         lock = os.open(stage, os.O_RDONLY)
     except OSError as e:

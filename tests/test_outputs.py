@@ -257,3 +257,26 @@ def test_next_hints_spell_commands_as_they_can_be_typed(tmp_path, monkeypatch) -
     assert ort[-1] == f"{python} 'my out/run.py' --prompt 'Hello'" and "'my out'" in ort[0]
     compiled = {"recipe": {"target": "ascend"}, "stages": [{"pass": "compile_ascend", "stats": {"compiled": 2}}]}
     assert next_commands(Path("o"), compiled)[-1] == f"{python} o/run.py --backend acl --prompt 'Hello'"
+
+
+def test_force_never_deletes_the_staging_folder_of_a_run_in_progress(cli, tmp_path) -> None:
+    """Issue 21, finding 2: the staging folder was deleted before the lock was taken, and a plain rerun
+    called the running conversion "interrupted" and advised --force. Now both are refused, truthfully."""
+    import fcntl
+    import os
+
+    from qwen2om.output import partial_dir
+
+    out = tmp_path / "out"
+    stage = partial_dir(out)
+    stage.mkdir()
+    (stage / "journal.json").write_text("{}")
+    fd = os.open(stage, os.O_RDONLY)  # what a running conversion holds
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        for extra in ((), ("--force",), ("--resume",)):
+            code, _, err = cli("convert", "builtin:tiny-qwen3", "-o", out, "--max-seq-len", "64", *extra)
+            assert code == 2 and "writing" in err and "right now" in err and "interrupted" not in err, (extra, err)
+            assert (stage / "journal.json").is_file()
+    finally:
+        os.close(fd)
