@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
+from qwen2om.confine import confined
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
@@ -39,8 +40,8 @@ class Package:
         ckpt, stage = ws.need("checkpoint"), ctx.stage_dir
         written: list[Path] = []
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
-            if (ckpt.root / name).is_file():
-                shutil.copyfile(ckpt.root / name, stage / name)
+            if (ckpt.root / name).exists() or (ckpt.root / name).is_symlink():
+                shutil.copyfile(confined(ckpt.root, name), stage / name)
                 written.append(stage / name)
         from qwen2om.runtime import standalone
 

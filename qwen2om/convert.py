@@ -13,11 +13,13 @@ import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import Checkpoint, read_json
+from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, Qwen2omError, RecipeError
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.lower_int4_ascend import int4_form
+from qwen2om.passes.package import CONFIG_FILES, TOKENIZER_FILES
 from qwen2om.passes.write_onnx import graph_file
 from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
 from qwen2om.recipe import DTYPES, TARGETS, Recipe, apply_overrides, load_recipe
@@ -76,6 +78,10 @@ def preflight(source: Path, r: Recipe, dims: ModelDims) -> None:
     after the ONNX export (lower_int4_ascend), minutes into a large conversion. (max_seq_len against
     the model's limit is choose_recipe's.)"""
     passes = {name for name, _ in r.pipeline}
+    if "package" in passes:  # files it copies into OUT: inside the checkpoint, regular (qwen2om.confine)
+        for name in (*TOKENIZER_FILES, *CONFIG_FILES):
+            if (source / name).exists() or (source / name).is_symlink():
+                confined(source, name)
     if "static_model" in passes:  # a one-row table: the same refusals, none of the work
         cfg = read_json(source / "config.json", "config.json")
         if resolve_arch(cfg, str(source / "config.json")).hybrid:

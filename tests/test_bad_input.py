@@ -382,3 +382,29 @@ def test_a_flag_overriding_a_set_says_so(cli, tmp_path) -> None:
     assert "--dtype fp32 overrides --set dtype=fp16" in " ".join(err.split())
     assert "manifest.json" in stdout  # the files-written table lists it too (the manifest omits itself)
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["recipe"]["dtype"] == "fp32"
+
+
+@pytest.mark.slow
+def test_checkpoint_files_outside_it_or_not_regular_are_refused(cli, ckpt, tmp_path) -> None:
+    """Issue 21, finding 3: a `vocab.json` symlinked to a file outside the checkpoint was copied into
+    OUT and hashed in its manifest. Links inside the checkpoint are fine; FIFOs never block the run."""
+    import os
+
+    secret = tmp_path / "secret.key"
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    (ckpt / "vocab.json").symlink_to(secret)
+    out = tmp_path / "out"
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64")
+    assert code == 2 and "vocab.json: points outside" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".*.partial"))
+    (ckpt / "vocab.json").unlink()
+    os.mkfifo(ckpt / "merges.txt")
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64")
+    assert code == 2 and "merges.txt: not a regular file" in err, err
+    assert not out.exists()
+    (ckpt / "merges.txt").unlink()
+    (ckpt / "tokenizer_config.json").rename(ckpt / "tokenizer_config.real.json")
+    (ckpt / "tokenizer_config.json").symlink_to("tokenizer_config.real.json")  # inside: fine
+    code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
+    assert code == 0, err
+    assert not (out / "tokenizer_config.json").is_symlink()
