@@ -69,6 +69,9 @@ def check_external_data(model: onnx.ModelProto, path: Path) -> dict[str, int]:
         count[location] = count.get(location, 0) + 1
     for location, (end, name) in sorted(need.items()):
         data = path.parent / location
+        if not data.resolve().is_relative_to(path.parent.resolve()):  # absolute, ../ or a symlink out
+            raise Qwen2omError(f"{path}: {count[location]} initializers (e.g. {name}) name external data "
+                               f"outside its directory ({location!r}); refusing to read it")
         if not data.is_file():
             raise Qwen2omError(f"{path}: its weights are in {location}, which is missing (looked for {data}; "
                                f"{count[location]} initializers, e.g. {name}, are stored there)")
@@ -105,6 +108,10 @@ def graph_files(path: Path, kind: str | None = None) -> dict[str, Path]:
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
         files = {k: path / spec["file"] for k, spec in manifest["graphs"].items()}
+        for k, f in files.items():
+            if not f.resolve().is_relative_to(path.resolve()):
+                raise Qwen2omError(f"{path}/manifest.json: the {k} graph {str(f.relative_to(path))!r} is outside "
+                                   f"{path}; refusing to read it")
         if kind is not None:
             if kind not in files:
                 raise Qwen2omError(f"--graph {kind!r}: {path} has the graphs {', '.join(files)}")

@@ -186,4 +186,11 @@ def write_manifest(stage: Path, manifest: dict[str, Any], workers: int = 1) -> P
 def read_manifest(out: Path) -> dict[str, Any]:
     from qwen2om.checkpoint import read_json
 
-    return read_json(Path(out) / MANIFEST, "qwen2om manifest")
+    manifest = read_json(Path(out) / MANIFEST, "qwen2om manifest")
+    root = Path(out).resolve()
+    named = [spec.get("file", "") for spec in (manifest.get("graphs") or {}).values() if isinstance(spec, dict)]
+    named += [f.get("name", "") for f in manifest.get("files") or [] if isinstance(f, dict)]
+    for name in named:  # absolute or ../ entries would have qwen2om read or run files from elsewhere
+        if isinstance(name, str) and not (root / name).resolve().is_relative_to(root):
+            raise Qwen2omError(f"{out}/{MANIFEST} names {name!r}, outside {out}: refusing to read it")
+    return manifest

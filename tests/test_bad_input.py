@@ -408,3 +408,31 @@ def test_checkpoint_files_outside_it_or_not_regular_are_refused(cli, ckpt, tmp_p
     code, _, err = cli("convert", ckpt, "-o", out, "--max-seq-len", "64", "--prefill-chunk", "16")
     assert code == 0, err
     assert not (out / "tokenizer_config.json").is_symlink()
+
+
+@pytest.mark.slow
+def test_output_directories_are_confined(cli, converted, tmp_path) -> None:
+    """Issue 21, finding 4: external-data locations and manifest graph entries outside OUT were read
+    (`inspect --checksums` printed sha256s of one-byte slices of a secret file) or run (`run`)."""
+    import onnx
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 4096)
+    out = tmp_path / "out"
+    shutil.copytree(converted("tiny-qwen3", "fp32"), out)
+    graph = onnx.load(str(out / "model.decode.onnx"), load_external_data=False)
+    init = next(i for i in graph.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL)
+    for entry in init.external_data:
+        if entry.key == "location":
+            entry.value = "../secret.bin"
+    onnx.save(graph, str(out / "model.decode.onnx"))
+    for args in (("inspect", out, "--checksums"), ("inspect", out / "model.decode.onnx")):
+        code, stdout, err = cli(*args)
+        assert code == 2 and "outside its directory" in err and "'../secret.bin'" in err, (args, err)
+    shutil.copyfile(converted("tiny-qwen3", "fp32") / "model.decode.onnx", out / "model.decode.onnx")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["graphs"]["decode"]["file"] = str(secret)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for args in (("inspect", out), ("run", out, "--prompt", "Hi", "--max-new-tokens", "1")):
+        code, stdout, err = cli(*args)
+        assert code == 2 and "outside" in err and str(secret) in err, (args, err)

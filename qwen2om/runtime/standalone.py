@@ -62,6 +62,10 @@ def check_files(model_dir: Path, manifest: dict) -> None:
     tokenizers with a message that names no file. Not scales.safetensors: scales are inputs so that they
     can be replaced, and `load_scales` names what a replaced file lacks."""
     graphs = {spec["file"] for spec in manifest.get("graphs", {}).values()}
+    for name in graphs:  # an absolute or ../ entry would run a graph from elsewhere
+        if not (model_dir / name).resolve().is_relative_to(Path(model_dir).resolve()):
+            raise RuntimeInputError(f"{model_dir}/manifest.json names the graph {name!r}, outside {model_dir}: "
+                                    "refusing to run it")
     wanted = [f for f in manifest.get("files", []) if f["name"] in graphs or f["name"].endswith(".onnx.data")
               or f["name"] == "tokenizer.json"]
     for f in wanted:
