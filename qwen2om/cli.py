@@ -326,9 +326,10 @@ def verify(
     prompt: Annotated[list[str] | None, typer.Option(help="prompt (repeatable; default: three built-in "
                                                      "prompts, one longer than a prefill chunk)")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
-    reference_loader: Annotated[str, typer.Option(help="quantised references: exact (qwen2om's float32 "
-                                                  "dequantisation, the weights OUT holds) or transformers (its own "
-                                                  "from_pretrained, as it is)")] = "exact",
+    reference_loader: Annotated[str, typer.Option(help="exact (qwen2om's reader: the safetensors convert "
+                                                  "read; quantised weights dequantised exactly, as OUT holds them) "
+                                                  "or transformers (its own from_pretrained, safetensors "
+                                                  "only)")] = "exact",
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
     from qwen2om.verify import default_reference, tie_gap

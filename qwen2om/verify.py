@@ -127,11 +127,12 @@ LOADERS = ("exact", "transformers")
 
 
 def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
-    """transformers' own model class in float32. With `loader="exact"` (the default) a quantised
+    """transformers' own model class in float32. With `loader="exact"` (the default) the weights come
+    from qwen2om's own reader, the safetensors files convert read and its manifest hashed; a quantised
     checkpoint is loaded with its exact float32 dequantisation, `(q - zp) · scale` or `q · scale`
     per tile, so the reference is the weights the converted model really holds (transformers' own
     int4 decompression rounds to the scale's bf16, and its FP8 load mis-sizes ragged tiles).
-    `loader="transformers"` is transformers' own `from_pretrained` (float32 on CPU) as it is."""
+    `loader="transformers"` is transformers' own `from_pretrained` (float32 on CPU, safetensors only)."""
     import transformers
 
     from qwen2om.checkpoint import Checkpoint
@@ -140,10 +141,12 @@ def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
     if loader not in LOADERS:
         raise Qwen2omError(f"reference loader {loader!r} is not one of {', '.join(LOADERS)}")
     ckpt = Checkpoint(ref_dir)
-    if not ckpt.quantized or loader == "transformers":  # transformers' own load (it dequantises FP8 on CPU)
+    if loader == "transformers":  # transformers' own load (it dequantises FP8 on CPU); safetensors only
         ckpt.close()
         return transformers.AutoModelForCausalLM.from_pretrained(
-            ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+            ref_dir, dtype=torch.float32, attn_implementation="eager", use_safetensors=True).eval()
+    # qwen2om's own reader, float checkpoints included: exactly the files convert read and the manifest
+    # hashed (from_pretrained would take a pytorch_model.bin beside oddly named safetensors shards).
     cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config._attn_implementation = "eager"

@@ -436,3 +436,25 @@ def test_output_directories_are_confined(cli, converted, tmp_path) -> None:
     for args in (("inspect", out), ("run", out, "--prompt", "Hi", "--max-new-tokens", "1")):
         code, stdout, err = cli(*args)
         assert code == 2 and "outside" in err and str(secret) in err, (args, err)
+
+
+@pytest.mark.slow
+def test_verify_loads_the_files_convert_read(ckpt, tmp_path) -> None:
+    """Issue 21, finding 5: with safetensors shards under other names and a pytorch_model.bin beside
+    them, transformers' from_pretrained loaded the pickle, so verify compared against other weights
+    than convert read and the manifest hashed. The reference is now read by qwen2om's own reader."""
+    from safetensors.torch import load_file
+
+    from qwen2om.convert import convert
+    from qwen2om.verify import verify
+
+    (ckpt / "model.safetensors.index.json").unlink()
+    state = {}
+    for i, shard in enumerate(sorted(ckpt.glob("model-*.safetensors"))):
+        state |= load_file(shard)
+        shard.rename(ckpt / f"weights-{i}.safetensors")
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, ckpt / "pytorch_model.bin")  # other weights
+    out = tmp_path / "out"
+    convert(ckpt, out, overrides=["max_seq_len=64", "prefill_chunk=16"])
+    report = verify(out, tokens=4)
+    assert report.passed and report.max_abs <= 1e-4, report.to_dict()
