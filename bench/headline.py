@@ -233,6 +233,13 @@ def from_moe(d: dict[str, Any], log: str) -> list[Figure]:
                    f"transformers default {t['decode_tps']:.2f} tok/s", faster(q["decode_tps"], t["decode_tps"]), how)]
 
 
+def memory_figure(label: str, peak: int, anon: int, checkpoint: int, note: str, how: str) -> Figure:
+    """A peak-RSS row, beside the bf16 checkpoint it was measured on."""
+    return Figure(label, f"{peak / GIB:.2f} GiB (anonymous {anon / GIB:.2f})",
+                  f"checkpoint {checkpoint / GIB:.2f} GiB bf16 ({note})", f"{peak / checkpoint:.2f}× the checkpoint",
+                  how)
+
+
 def from_calibrate(d: list[dict[str, Any]], log: str) -> list[Figure]:
     r = d[0]
     if r["exit_code"]:
@@ -242,10 +249,9 @@ def from_calibrate(d: list[dict[str, Any]], log: str) -> list[Figure]:
            f"{r['num_samples']} --seq-len {r['seq_len']}` (builtin:prose) in a fresh child; peak RSS = its "
            f"`ru_maxrss`, RssAnon polled every 0.05 s; {r['wall_s']:.0f} s wall")
     case = shapes(*r["case"].rsplit("-L", 1))
-    return [Figure(f"calibration peak RSS, {r['method'].upper()} ({case}, {r['num_samples']} × {r['seq_len']} tokens)",
-                   f"{r['peak_rss_bytes'] / GIB:.2f} GiB (anonymous {r['peak_rss_anon_bytes'] / GIB:.2f})",
-                   f"checkpoint {ck / GIB:.2f} GiB bf16 ({2 * ck / GIB:.2f} GiB as fp32)",
-                   f"{r['peak_rss_bytes'] / ck:.2f}× the checkpoint", how)]
+    return [memory_figure(f"calibration peak RSS, {r['method'].upper()} ({case}, {r['num_samples']} × "
+                          f"{r['seq_len']} tokens)", r["peak_rss_bytes"], r["peak_rss_anon_bytes"], ck,
+                          f"{2 * ck / GIB:.2f} GiB as fp32", how)]
 
 
 def from_convert(d: dict[str, Any], log: str) -> list[Figure]:
@@ -258,10 +264,9 @@ def from_convert(d: dict[str, Any], log: str) -> list[Figure]:
            f"`ru_maxrss`, RssAnon polled every 0.2 s; {r['wall_s']:.0f} s wall, output "
            f"{r['output_bytes'] / GIB:.2f} GiB")
     case = shapes(*r["case"].rsplit("-L", 1))
-    return [Figure(f"conversion peak RSS, {r['dtype']} ({case}, {r['params'] / 1e9:.2f}B parameters)",
-                   f"{r['peak_rss_bytes'] / GIB:.2f} GiB (anonymous {r['peak_anon_polled_bytes'] / GIB:.2f})",
-                   f"checkpoint {ck / GIB:.2f} GiB bf16 (output {r['output_bytes'] / GIB:.2f} GiB {r['dtype']})",
-                   f"{r['peak_rss_bytes'] / ck:.2f}× the checkpoint", how)]
+    return [memory_figure(f"conversion peak RSS, {r['dtype']} ({case}, {r['params'] / 1e9:.2f}B parameters)",
+                          r["peak_rss_bytes"], r["peak_anon_polled_bytes"], ck,
+                          f"output {r['output_bytes'] / GIB:.2f} GiB {r['dtype']}", how)]
 
 
 FIGURES: dict[str, Callable[[Any, str], list[Figure]]] = {

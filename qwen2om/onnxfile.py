@@ -106,12 +106,9 @@ def graph_files(path: Path, kind: str | None = None) -> dict[str, Path]:
     `kind` picks one graph of an output directory; an unknown kind names the ones there are."""
     path = Path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        files = {k: path / spec["file"] for k, spec in manifest["graphs"].items()}
-        for k, f in files.items():
-            if not f.resolve().is_relative_to(path.resolve()):
-                raise Qwen2omError(f"{path}/manifest.json: the {k} graph {str(f.relative_to(path))!r} is outside "
-                                   f"{path}; refusing to read it")
+        from qwen2om.output import read_manifest  # it refuses entries outside the directory
+
+        files = {k: path / spec["file"] for k, spec in read_manifest(path)["graphs"].items()}
         if kind is not None:
             if kind not in files:
                 raise Qwen2omError(f"--graph {kind!r}: {path} has the graphs {', '.join(files)}")

@@ -120,14 +120,11 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
             finally:
                 os.close(held)
         stage.mkdir(parents=True, exist_ok=True)
-        lock = os.open(stage, os.O_RDONLY)
+        lock = lock_dir(stage)
     except OSError as e:
         raise Qwen2omError(f"cannot create the staging directory {stage}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock)
-        raise OutputExistsError(f"another qwen2om is writing {stage}; wait for it to finish") from None
+    if lock is None:
+        raise OutputExistsError(f"another qwen2om is writing {stage}; wait for it to finish")
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         yield stage
