@@ -42,7 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
+
+from qwen2om.runtime.standalone import RuntimeInputError
 
 NPU_DOMAIN = "npu"
 WQBMM = "WeightQuantBatchMatmulV2"
@@ -263,12 +266,12 @@ def decompose(model: onnx.ModelProto) -> int:
     return count
 
 
-def cpu_engine(out: Path, **kwargs: object) -> object:
+def cpu_engine(out: Path, *, check_hashes: bool = False, **kwargs: object) -> object:
     """The runtime's Engine for `out`, its Ascend ops (if any) run as their decompositions. The
     sessions hold the graphs and the mapped data once built, so the temporary view can go."""
     from qwen2om.runtime.standalone import Engine
 
-    with cpu_runnable(out) as view:
+    with cpu_runnable(out, check_hashes=check_hashes) as view:
         engine = Engine(view, **kwargs)  # type: ignore[arg-type]
     engine.dir = Path(out)
     return engine
@@ -278,14 +281,32 @@ def has_ascend_ops(model: onnx.ModelProto) -> bool:
     return any((n.domain if n.domain != "ai.onnx" else "", n.op_type) in ASCEND_OPS for n in model.graph.node)
 
 
+def load_graph(path: Path) -> onnx.ModelProto:
+    """An ONNX graph without its weights; a file that is not one is named, not a protobuf traceback."""
+    try:
+        return onnx.load(path, load_external_data=False)
+    except (OSError, DecodeError) as e:
+        why = getattr(e, "strerror", None) or "damaged or truncated"
+        raise RuntimeInputError(f"{path}: not a readable ONNX graph ({why}): convert again") from None
+
+
 @contextlib.contextmanager
-def cpu_runnable(out: Path) -> Iterator[Path]:
+def cpu_runnable(out: Path, *, check_hashes: bool = False) -> Iterator[Path]:
     """`out` itself when its graphs are standard ONNX; else a temporary view of it whose graphs are
     decomposed, every other file hard-linked (ONNX Runtime refuses external data reached through a
     symlink out of the model's directory). The view lives inside `out`, so the links are on the same
     file system; where `out` is not writable, files are copied to the system's temporary directory."""
     out = Path(out)
-    models = {p.name: onnx.load(p, load_external_data=False) for p in sorted(out.glob("model.*.onnx"))}
+    if (out / "manifest.json").is_file():  # not yet while convert checks its staging directory
+        # OUT's own files, checked before any is parsed (the view's decomposed graphs have other hashes)
+        from qwen2om.runtime.standalone import check_files
+
+        try:
+            manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RuntimeInputError(f"{out / 'manifest.json'}: cannot read the manifest ({e})") from None
+        check_files(out, manifest, hashes=check_hashes)
+    models = {p.name: load_graph(p) for p in sorted(out.glob("model.*.onnx"))}
     if not any(has_ascend_ops(m) for m in models.values()):
         yield out
         return

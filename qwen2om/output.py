@@ -40,25 +40,49 @@ def lock_dir(path: Path) -> int | None:
     return fd
 
 
-def refuse_foreign_files(out: Path) -> None:
-    """--force replaces a conversion's OUT only when qwen2om wrote all of it: a qwen2om manifest
-    (`format_version`, qwen2om among its tools), and no file beside it that the manifest does not
-    list. A browser extension or web app has a manifest.json too; a user's own notes may sit in OUT."""
+REPORT_FILES = "files"  # a calibrated checkpoint's report lists what calibrate wrote, as a manifest does
+
+
+def owned_files(out: Path, marker: str) -> set[str] | None:
+    """The files qwen2om says it wrote into `out`, from its marker file (a conversion's manifest, a
+    calibration's report), or None when the marker is not one qwen2om wrote: a browser extension or
+    web app has a manifest.json too."""
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
-        listed = {f["name"] for f in manifest["files"]}
-        ours = "format_version" in manifest and "qwen2om" in manifest["tools"]
-    except (OSError, ValueError, KeyError, TypeError):
-        ours = False
-    if not ours:
-        raise OutputExistsError(f"{out}/{MANIFEST} is not a qwen2om manifest: refusing to replace {out}, "
-                                "even with --force")
+        data = json.loads((out / marker).read_text(encoding="utf-8"))
+        if marker == MANIFEST:
+            ours = "format_version" in data and "qwen2om" in data["tools"]
+            listed = {f["name"] for f in data["files"]}
+        else:
+            ours = data.get("written_by") == "qwen2om"
+            listed = set(data[REPORT_FILES])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return {*listed, marker} if ours and all(isinstance(n, str) for n in listed) else None
+
+
+def refuse_foreign_files(out: Path, marker: str = MANIFEST) -> None:
+    """--force replaces an output only when qwen2om wrote all of it: its marker is qwen2om's, and no
+    file lies beside it that the marker does not list (a user's own notes may sit in OUT)."""
+    listed = owned_files(out, marker)
+    if listed is None:
+        kind = "manifest" if marker == MANIFEST else "file"
+        raise OutputExistsError(f"{out}/{marker} is not a qwen2om {kind}: refusing to replace {out}, even with --force")
     foreign = sorted(str(p.relative_to(out)) for p in out.rglob("*")
-                     if not p.is_dir() and str(p.relative_to(out)) not in listed | {MANIFEST})
+                     if not p.is_dir() and str(p.relative_to(out)) not in listed)
     if foreign:
         shown = ", ".join(repr(f) for f in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(f"{out} holds files qwen2om did not write ({shown}): refusing to replace it, even "
                                 "with --force; move them out first")
+
+
+def refuse_working_directory(out: Path) -> None:
+    """OUT is replaced by a rename at the end: the current directory (`-o .`) or a folder above it
+    cannot be, and finding that out after the whole conversion would throw the work away."""
+    here, target = Path.cwd().resolve(), out.resolve()
+    if here.is_relative_to(target):
+        what = "the current directory" if here == target else f"a folder above the current directory ({here})"
+        raise OutputExistsError(f"-o {out} is {what}: qwen2om builds OUT beside it and moves it into place, so "
+                                "name a new directory, e.g. -o ./out")
 
 
 def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = MANIFEST,
@@ -66,17 +90,16 @@ def check_output(out: Path, *, force: bool, resume: bool = False, marker: str = 
     """Refuse `out` as staged_output would, without touching anything: for commands that read data
     for minutes before they stage (calibrate), so an existing OUT is named before that work."""
     out = Path(out)
+    refuse_working_directory(out)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")
     if out.exists() and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
-    if out.exists() and any(out.iterdir()) and not (out / marker).is_file():
-        # --force replaces an earlier output (`marker` is the file each command writes), never an
-        # arbitrary folder (think `-o ~ --force`).
-        raise OutputExistsError(
-            f"{out} is not empty and holds no {marker}: refusing to replace it, even with --force")
-    if out.exists() and marker == MANIFEST and any(out.iterdir()):
-        refuse_foreign_files(out)
+    if out.exists() and any(out.iterdir()):
+        if not (out / marker).is_file():  # never an arbitrary folder (think `-o ~ --force`)
+            raise OutputExistsError(
+                f"{out} is not empty and holds no {marker}: refusing to replace it, even with --force")
+        refuse_foreign_files(out, marker)
     stage = partial_dir(out)
     if stage.exists():
         held = lock_dir(stage)
@@ -97,10 +120,10 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
     """A staging sibling of `out` that becomes `out` only if the block succeeds.
 
     `out` is never half-written: it appears whole, by one rename, or not at all; with --force a
-    failed run leaves the previous `out` in place. The staging directory is removed when the
-    input was bad (nothing there is worth keeping) and kept after an interrupt, a full disk or
-    any other failure with finished work in it, for `--resume`; a command that cannot resume
-    (`resumable=False`: calibrate) removes it after any failure.
+    failed run leaves the previous `out` in place. The staging directory is kept only after a
+    failure `--resume` can continue (an interrupt, a full disk: `keep_partial`) and removed after
+    any other (bad input, a bug); a command that cannot resume (`resumable=False`: calibrate)
+    removes it after any failure.
     """
     out = Path(out)
     check_output(out, force=force, resume=resume, marker=marker, resumable=resumable)
@@ -135,7 +158,9 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
         except OSError as e:
             raise Qwen2omError(f"cannot move the finished output into place at {out}: {e.strerror or e}") from None
     except BaseException as e:
-        if not resumable or (isinstance(e, Qwen2omError) and not e.keep_partial):
+        # Kept only for what --resume can continue (an interrupt, a full disk): after bad input or a
+        # bug, a kept folder would only have the next plain run advise a --resume that cannot succeed.
+        if not resumable or not (isinstance(e, Qwen2omError) and e.keep_partial):
             shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)  # put the previous output back: a failed --force run changes nothing
@@ -169,6 +194,17 @@ def tool_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
+
+
+def mark_written(stage: Path, report: dict[str, Any], marker: str) -> Path:
+    """Write a command's report as `stage/marker`, listing every file it wrote (so that --force can
+    tell later that all of OUT is qwen2om's own; see owned_files)."""
+    report["written_by"] = "qwen2om"
+    report[REPORT_FILES] = sorted(str(p.relative_to(stage)) for p in stage.rglob("*")
+                                  if p.is_file() and p.name != marker)
+    path = stage / marker
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return path
 
 
 def write_manifest(stage: Path, manifest: dict[str, Any], workers: int = 1) -> Path:

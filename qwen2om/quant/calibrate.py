@@ -32,10 +32,11 @@ import torch
 from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import Checkpoint
+from qwen2om.confine import confined
 from qwen2om.datasets import windows
 from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
-from qwen2om.output import check_output, staged_output
+from qwen2om.output import check_output, mark_written, staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.experts import (
     EXPERT,
@@ -546,6 +547,18 @@ def description(ckpt: Checkpoint, cal: Calibrator) -> dict[str, Any]:
     return out
 
 
+def tokenizer_files(source: Path) -> dict[str, Path]:
+    """The tokenizer and generation files calibrate copies beside the quantised weights, each a regular
+    file inside the checkpoint (qwen2om.confine): a symlink to a key file is not published with OUT."""
+    return {name: confined(source, name) for name in COPY_FILES
+            if (source / name).exists() or (source / name).is_symlink()}
+
+
+def copy_tokenizer_files(source: Path, stage: Path) -> None:
+    for name, path in tokenizer_files(source).items():
+        shutil.copyfile(path, stage / name)
+
+
 @dataclasses.dataclass
 class CalibrationResult:
     out: Path
@@ -567,6 +580,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         qm = (ckpt.config.get("quantization_config") or {}).get("quant_method", DESCRIPTION)
         raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
     ckpt.validate_layout()
+    tokenizer_files(source)  # refused now, not after the calibration
     if cfg.scheme == "fp8-block":
         return calibrate_fp8(model, source, ckpt, out, cfg, force=force, progress=progress)
     # Before any data or weight is read: a group that does not fit, or an OUT that is there already,
@@ -593,9 +607,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         else:
             config["quantization_config"] = quantization_config(cfg, [ckpt.layout_name(m) for m in cal.ignored()])
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in COPY_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, stage / name)
+        copy_tokenizer_files(source, stage)
         errs = [(r.rtn_error, r.error) for r in cal.reports if r.error is not None and r.rtn_error is not None]
         report = {
             "model": str(model), "scheme": "w4a16", "method": cfg.method, "group_size": cfg.group_size,
@@ -610,7 +622,7 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
                         **({"experts": cal.experts[i]} if i in cal.experts else {})}
                        for i, s in enumerate(cal.layer_seconds)],
         }
-        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        mark_written(stage, report, REPORT)
     ckpt.close()
     return CalibrationResult(Path(out), report)
 
@@ -634,9 +646,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
             config["tie_word_embeddings"] = False  # the head is now its own (FP8) tensor
         config["quantization_config"] = hf_quantization_config([ckpt.layout_name(m) for m in left_float])
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in COPY_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, stage / name)
+        copy_tokenizer_files(source, stage)
         errors = [r.relative_error for r in reports]
         report = {
             "model": str(model), "scheme": "fp8-block", "method": "rtn", "block_size": list(BLOCK),
@@ -648,6 +658,6 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
                        for i, s in enumerate(seconds)],
             "other": [dataclasses.asdict(r) for r in reports if ".layers." not in r.name],
         }
-        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        mark_written(stage, report, REPORT)
     ckpt.close()
     return CalibrationResult(Path(out), report)

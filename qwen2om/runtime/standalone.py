@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -56,18 +58,73 @@ STATE_ROLES = ("conv_state", "recurrent_state")
 PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
 
 
-def check_files(model_dir: Path, manifest: dict) -> None:
-    """The files ONNX Runtime will read (graphs, their external data, the tokenizer) are there at the sizes
-    manifest.json recorded: a damaged directory is named here, instead of failing inside ONNX Runtime or
-    tokenizers with a message that names no file. Not scales.safetensors: scales are inputs so that they
-    can be replaced, and `load_scales` names what a replaced file lacks."""
-    graphs = {spec["file"] for spec in manifest.get("graphs", {}).values()}
-    for name in graphs:  # an absolute or ../ entry would run a graph from elsewhere
-        if not (model_dir / name).resolve().is_relative_to(Path(model_dir).resolve()):
-            raise RuntimeInputError(f"{model_dir}/manifest.json names the graph {name!r}, outside {model_dir}: "
-                                    "refusing to run it")
-    wanted = [f for f in manifest.get("files", []) if f["name"] in graphs or f["name"].endswith(".onnx.data")
-              or f["name"] == "tokenizer.json"]
+# C0/C1 controls (ESC starts terminal sequences) and the bidirectional overrides ("Trojan Source"):
+# names from a checkpoint or output directory are printed with these made visible, never obeyed.
+_HIDDEN = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+_HIDDEN.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def printable(text: str) -> str:
+    """`text` with terminal control characters escaped, so a printed name shows what it is."""
+    return text.translate(_HIDDEN)
+
+
+RUNTIME_KEYS = ("capacity", "batch", "vocab", "dtype")
+
+
+def check_manifest(model_dir: Path, manifest: object) -> None:
+    """The parts of manifest.json the engine reads, by name: a damaged or foreign manifest is reported
+    here, not as a KeyError from deep inside the engine."""
+    where = f"{model_dir}/manifest.json"
+    if not isinstance(manifest, dict):
+        raise RuntimeInputError(f"{where} is not a JSON object")
+    rt, graphs = manifest.get("runtime"), manifest.get("graphs")
+    if not isinstance(rt, dict) or any(k not in rt for k in RUNTIME_KEYS):
+        raise RuntimeInputError(f"{where}: no 'runtime' section with {', '.join(RUNTIME_KEYS)} (not written by "
+                                "qwen2om, or damaged: convert again)")
+    if not isinstance(graphs, dict) or not graphs or not all(
+            isinstance(g, dict) and isinstance(g.get("file"), str) and isinstance(g.get("inputs"), list)
+            and isinstance(g.get("outputs"), list) for g in graphs.values()):
+        raise RuntimeInputError(f"{where}: 'graphs' must name at least one graph, each with its file, inputs and "
+                                "outputs (damaged: convert again)")
+    files = manifest.get("files", [])
+    if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("bytes"), int) for f in files):
+        raise RuntimeInputError(f"{where}: 'files' must list each file's name and bytes (damaged: convert again)")
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_files(model_dir: Path, manifest: dict, *, hashes: bool = False) -> None:
+    """The files ONNX Runtime will read (graphs, their external data, the tokenizer) are regular files
+    inside `model_dir` at the sizes manifest.json recorded (with `hashes`, every listed file also at its
+    sha256: a file changed at the same size is found too): a damaged directory is named here, instead of
+    failing inside ONNX Runtime or tokenizers with a message that names no file. Sizes skip
+    scales.safetensors: scales are inputs so that they can be replaced, and `load_scales` names what a
+    replaced file lacks; `hashes` checks it like any other file."""
+    check_manifest(model_dir, manifest)
+    root = Path(model_dir).resolve()
+    graphs = {spec["file"] for spec in manifest["graphs"].values()}
+    listed = {f["name"] for f in manifest.get("files", [])}
+    for name in sorted(graphs | listed):  # an absolute or ../ entry would run or read a file from elsewhere
+        if not (model_dir / name).resolve().is_relative_to(root):
+            raise RuntimeInputError(f"{model_dir}/manifest.json names {printable(repr(name))}, outside {model_dir}: "
+                                    "refusing to read it")
+    for name in sorted(graphs):
+        path = model_dir / name
+        if not path.exists():
+            raise RuntimeInputError(f"{path} is missing: {model_dir} is incomplete (convert again)")
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise RuntimeInputError(f"{path} is not a regular file (a directory, FIFO or device): {model_dir} is "
+                                    "damaged (convert again)")
+    wanted = [f for f in manifest.get("files", []) if hashes or f["name"] in graphs
+              or f["name"].endswith(".onnx.data") or f["name"] == "tokenizer.json"]
     for f in wanted:
         path = model_dir / f["name"]
         if not path.is_file():
@@ -75,6 +132,9 @@ def check_files(model_dir: Path, manifest: dict) -> None:
         if path.stat().st_size != f["bytes"]:
             raise RuntimeInputError(f"{path} is {path.stat().st_size:,} bytes, manifest.json says {f['bytes']:,}: "
                                     f"{model_dir} is damaged (convert again)")
+        if hashes and sha256_of(path) != f.get("sha256"):
+            raise RuntimeInputError(f"{path} does not have the sha256 manifest.json records: it changed after the "
+                                    f"conversion ({model_dir} is damaged or was edited; convert again)")
 
 
 def cache_targets(spec: dict) -> list[tuple[dict, str]]:
@@ -603,7 +663,7 @@ class Engine:
     .om files in OUT/ascend/). Close the engine, or use it as a context manager, to free the NPU."""
 
     def __init__(self, model_dir: str | Path, *, threads: int = 0, providers: Sequence[str] = (),
-                 backend: str = "ort", device: int = 0) -> None:
+                 backend: str = "ort", device: int = 0, check_hashes: bool = False) -> None:
         self.dir = Path(model_dir)
         manifest_path = self.dir / "manifest.json"
         if not manifest_path.is_file():
@@ -614,8 +674,10 @@ class Engine:
             self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RuntimeInputError(f"{manifest_path}: cannot read the manifest ({e})") from None
-        if backend == "ort":
-            check_files(self.dir, self.manifest)
+        if backend == "ort" or check_hashes:
+            check_files(self.dir, self.manifest, hashes=check_hashes)
+        else:
+            check_manifest(self.dir, self.manifest)
         rt = self.manifest["runtime"]
         self.capacity, self.batch, self.vocab = int(rt["capacity"]), int(rt["batch"]), int(rt["vocab"])
         self.dtype = np.dtype(rt["dtype"])
@@ -625,7 +687,11 @@ class Engine:
         if not (self.dir / "tokenizer.json").is_file():
             raise RuntimeInputError(f"{self.dir / 'tokenizer.json'} is missing: {self.dir} is incomplete "
                                     "(convert again)")
-        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise RuntimeInputError(f"{self.dir / 'tokenizer.json'}: not a tokenizer the tokenizers library can "
+                                    f"read ({printable(str(e))})") from None
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         specs = self.manifest["graphs"]
         first = next(iter(specs.values()))
@@ -843,6 +909,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("ort", "acl"), default="ort",
                    help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL on an Ascend NPU with ascend/*.om")
     p.add_argument("--device", type=int, default=0, help="NPU device id for --backend acl")
+    p.add_argument("--check-hashes", action="store_true",
+                   help="check every file's sha256 against manifest.json before loading (sizes are always checked)")
 
 
 def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> int:
@@ -864,7 +932,8 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     engine = None
     try:
         sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)  # before a slow load
-        engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device)
+        engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device,
+                        check_hashes=a.check_hashes)
         # A system message only exists in the chat format: --system implies --chat.
         ids = ids if ids is not None else engine.encode(a.prompt, chat=a.chat or a.system is not None,
                                                         system=a.system)
@@ -874,7 +943,7 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
                                      on_token=(lambda t: None) if a.json else stream,
                                      ignore_eos=a.ignore_eos)
     except (RuntimeInputError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return 2
     finally:
         if engine is not None:
