@@ -14,19 +14,30 @@ Every document is tokenised, documents are joined with the end-of-text token, an
 cut into windows of `seq_len` tokens (packing): a short document never becomes a short sample.
 The sources change with the Python or Debian version, so the report carries a sha256 of the
 text actually used.
+
+Files and checkpoints are untrusted: a dataset must be a regular file (a FIFO or device is refused
+before it is opened), it is read lazily and left once the windows are full, a document longer than
+PIECE_CHARS is tokenised in pieces cut where its tokens do not change, and a chat template renders
+under a time limit. Every failure is a DatasetError naming the file (and line, or template).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import hashlib
 import json
+import os
 import re
+import signal
+import stat
 import sysconfig
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from qwen2om.errors import Qwen2omError
 
@@ -109,40 +120,143 @@ BUILTIN: dict[str, Callable[[], list[Any]]] = {
 
 
 # -- files ---------------------------------------------------------------------------------------
-def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+# A dataset file is read in blocks and its documents handed on one at a time, so that reading stops
+# as soon as the windows are full: a 100 MB one-line file asked for one window reads a megabyte.
+READ_BYTES = 1 << 20
+
+KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+         stat.S_IFSOCK: "a socket"}
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, refused unless it is a regular file: a FIFO or a device would block
+    or never end. Checked before opening, and again on the open descriptor in case it was swapped."""
+    hint = f"--dataset takes a JSONL or text file, or builtin:{'|'.join(BUILTIN)}"
     try:
-        raw = path.read_bytes()
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: dataset file not found (or use builtin:{'|'.join(BUILTIN)})") from None
     except OSError as e:
         raise DatasetError(f"{path}: cannot read ({e.strerror or e})") from None
-    for n, line in enumerate(raw.split(b"\n"), 1):
+    if stat.S_ISDIR(mode):
+        raise DatasetError(f"{path} is a directory, not a regular file: {hint}")
+    if not stat.S_ISREG(mode):
+        raise DatasetError(f"{path}: not a regular file ({KINDS.get(stat.S_IFMT(mode), 'a special file')}): {hint}")
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        # O_NONBLOCK: if a FIFO replaced the file since the stat, opening it must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | nonblock)
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DatasetError(f"{path}: not a regular file: {hint}")
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def not_utf8(path: Path, line: int, column: int, byte: bytes) -> DatasetError:
+    """The error for an invalid `byte` at byte `column` (from 0) of line `line`."""
+    return DatasetError(f"{path}:{line}: not UTF-8 text (byte {column}: {byte!r})")
+
+
+def text_pieces(path: Path, f: BinaryIO) -> Iterator[str]:
+    """A text file's content, decoded block by block; its concatenation is the whole file."""
+    line, column, tail = 1, 0, b""  # line and byte column where `data` starts; bytes of a split character
+    while block := f.read(READ_BYTES):
+        data = tail + block
         try:
-            yield n, line.decode("utf-8")
+            text, tail = data.decode("utf-8"), b""
         except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}:{n}: not UTF-8 text (byte {e.start}: {line[e.start:e.start + 1]!r})") from None
+            if e.reason != "unexpected end of data" or e.end != len(data):
+                bad, nl = e.start, data.rfind(b"\n", 0, e.start)
+                raise not_utf8(path, line + data.count(b"\n", 0, bad), bad - nl - 1 if nl >= 0 else column + bad,
+                               data[bad:bad + 1]) from None
+            text, tail = data[:e.start].decode("utf-8"), data[e.start:]  # a character cut by the block end
+        done = data[:len(data) - len(tail)]
+        nl = done.rfind(b"\n")
+        line += done.count(b"\n")
+        column = len(done) - nl - 1 if nl >= 0 else column + len(done)
+        yield text
+    if tail:  # the file ends inside a character
+        raise not_utf8(path, line, column, tail[:1])
 
 
-def jsonl_docs(path: Path) -> list[Any]:
-    docs: list[Any] = []
-    for n, line in read_lines(path):
+def jsonl_docs(path: Path, f: BinaryIO) -> Iterator[str | list[dict[str, str]]]:
+    """The records of a JSONL file, one line read and checked at a time."""
+    for n, raw in enumerate(f, 1):
+        try:
+            line = raw.removesuffix(b"\n").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise not_utf8(path, n, e.start, raw[e.start:e.start + 1]) from None
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:  # `[[[[…` 200k deep: the decoder recurses once per level
+            raise DatasetError(f"{path}:{n}: not valid JSON (nested too deeply)") from None
+        except ValueError as e:  # e.g. an integer longer than Python's int-conversion digit limit
+            raise DatasetError(f"{path}:{n}: not valid JSON ({e})") from None
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-            docs.append(rec["text"])
+            yield rec["text"]
         elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in rec["messages"]):
-            docs.append(rec["messages"])
+            yield rec["messages"]
         else:
             raise DatasetError(f"{path}:{n}: each line needs \"text\" (a string) or \"messages\" "
                                "(a list of {role, content})")
-    return docs
 
 
-def text_docs(path: Path) -> list[str]:
-    return ["\n".join(line for _, line in read_lines(path))]
+# -- chat templates ------------------------------------------------------------------------------
+TEMPLATE_SECONDS = 10.0  # the most one conversation may take to render; a checkpoint's template is untrusted
+
+
+class TemplateTimeout(BaseException):
+    """Raised by the alarm inside a template's render. A BaseException, so that no `except Exception`
+    in jinja2 or transformers on the way out turns it into something else."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TemplateTimeout in the block after `seconds` of wall time (main thread only).
+
+    Jinja compiles a template to Python loops whose bodies may call nothing (`{% for %}x{% endfor %}`),
+    so the sandbox's call/attribute hooks cannot be relied on to see a runaway loop; a SIGALRM
+    handler runs between any two bytecodes of it. Signals reach only the main thread (where the CLI
+    renders), so elsewhere, and where there is no setitimer (Windows), the render runs unlimited.
+    An outer alarm (pytest-timeout's, say) is put back afterwards with what was left of it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TemplateTimeout
+
+    old_handler = signal.signal(signal.SIGALRM, expire) or signal.SIG_DFL  # None: set outside Python
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # still restored if the alarm fires on the line above (it fires once)
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_delay:
+                signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - began), 1e-3),
+                                 old_interval)
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """A template's own message on one line, without terminal escapes, cut to `limit` characters."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("…" if len(text) > limit else "")
 
 
 # -- assembly ------------------------------------------------------------------------------------
@@ -163,37 +277,79 @@ class Encoder:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    @property
+    def template_file(self) -> Path:
+        """Where transformers takes the chat template from: chat_template.jinja wins over tokenizer_config.json."""
+        jinja = self.model_dir / "chat_template.jinja"
+        return jinja if jinja.is_file() else self.model_dir / "tokenizer_config.json"
+
     def chat(self, messages: list[dict[str, str]]) -> str:
+        """One conversation rendered with the checkpoint's template, under TEMPLATE_SECONDS; whatever the
+        template does wrong (a syntax error, raise_exception, a runaway loop) is a DatasetError naming it."""
         if self._chat is None:
             from transformers import AutoTokenizer
 
-            self._chat = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._chat = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as e:  # untrusted tokenizer files: any failure is the input's
+                raise DatasetError(f"{self.model_dir}: cannot load the tokenizer for the chat template "
+                                   f"({type(e).__name__}: {printable(str(e))})") from None
             if not getattr(self._chat, "chat_template", None):
                 raise DatasetError(f"{self.model_dir}: the tokenizer has no chat template for \"messages\" records")
-        return str(self._chat.apply_chat_template(messages, tokenize=False))
+        import jinja2
+
+        where = self.template_file
+        try:
+            with time_limit(TEMPLATE_SECONDS):
+                return str(self._chat.apply_chat_template(messages, tokenize=False))
+        except TemplateTimeout:
+            raise DatasetError(f"{where}: the chat template did not finish rendering one conversation in "
+                               f"{TEMPLATE_SECONDS:g} s") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise DatasetError(f"{where}: the chat template has a syntax error (template line {e.lineno}: "
+                               f"{printable(e.message or '')})") from None
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template, undefined names, sandbox refusals
+            raise DatasetError(f"{where}: the chat template failed: {printable(str(e))}") from None
+        except Exception as e:  # anything else the template's own code raised (1/0, recursion, memory)
+            raise DatasetError(f"{where}: the chat template failed ({type(e).__name__}: "
+                               f"{printable(str(e))})") from None
 
 
-def load_docs(spec: str) -> tuple[list[Any], str]:
+Document = str | list[dict[str, str]] | Iterator[str]  # text, a conversation, or text read from a file
+
+
+@contextlib.contextmanager
+def open_docs(spec: str) -> Iterator[tuple[Iterator[Document], str]]:
+    """The documents of `spec`, produced lazily, and the name to report it under. A file is checked
+    (and opened) on entry, so a bad path fails before the tokenizer loads, and closed on exit."""
     if spec.startswith("builtin:"):
-        names = spec.removeprefix("builtin:").split("+")
-        docs: list[list[Any]] = []
-        for name in names:
-            if name not in BUILTIN:
-                raise DatasetError(f"unknown built-in dataset {name!r} (known: {', '.join(BUILTIN)}; mix with '+')")
-            docs.append(BUILTIN[name]())
+        names = builtin_names(spec)
         # Interleave so that a mix stays a mix whatever num_samples cuts off.
-        mixed = [d for group in zip_longest_drop(docs) for d in group]
-        return mixed, spec
+        yield (d for group in zip_longest_drop([BUILTIN[name]() for name in names]) for d in group), spec
+        return
     path = Path(spec)
-    if path.is_dir():
-        raise DatasetError(f"{path} is a directory: --dataset takes a JSONL or text file, or "
-                           f"builtin:{'|'.join(BUILTIN)}")
-    if not path.is_file():
-        raise DatasetError(f"{path}: dataset file not found (or use builtin:{'|'.join(BUILTIN)})")
-    docs_ = jsonl_docs(path) if path.suffix in (".jsonl", ".json") else text_docs(path)
-    if not docs_ or not any((d.strip() if isinstance(d, str) else d) for d in docs_):
-        raise DatasetError(f"{path}: the dataset is empty")
-    return docs_, str(path)
+    with open_regular(path) as f:
+        # A text file is one document (lines joined by "\n", as written), streamed in blocks.
+        docs = jsonl_docs(path, f) if path.suffix in (".jsonl", ".json") else iter([text_pieces(path, f)])
+        yield docs, str(path)
+
+
+def builtin_names(spec: str) -> list[str]:
+    """The built-in sets a `builtin:A+B` spec mixes, each checked to exist."""
+    names = spec.removeprefix("builtin:").split("+")
+    for name in names:
+        if name not in BUILTIN:
+            raise DatasetError(f"unknown built-in dataset {name!r} (known: {', '.join(BUILTIN)}; mix with '+')")
+    return names
+
+
+def check_source(spec: str) -> None:
+    """Fail now, before a model is loaded, if `spec` names an unknown built-in or a path that is not a
+    regular file; reads no text."""
+    if spec.startswith("builtin:"):
+        builtin_names(spec)
+    else:
+        open_regular(Path(spec)).close()
 
 
 def zip_longest_drop(groups: list[list[Any]]) -> Iterator[list[Any]]:
@@ -201,23 +357,84 @@ def zip_longest_drop(groups: list[list[Any]]) -> Iterator[list[Any]]:
         yield [g[i] for g in groups if i < len(g)]
 
 
+# -- cutting long documents ----------------------------------------------------------------------
+# A document longer than this many characters is tokenised in pieces: the tokenizers library holds
+# ~100 bytes per character while encoding (4 M characters: 0.5 GB), and windows usually need far
+# fewer tokens than one big document gives. Every built-in document is shorter, so is tokenised whole.
+PIECE_CHARS = 1 << 20
+
+# Where a text may be cut without changing its tokens: before a space that follows a non-space, or
+# after a newline between two non-spaces. No pre-token of Qwen's split regex (nor GPT-2's or
+# Llama 3's) runs across either place: a word takes a space only in front of it, punctuation takes
+# only newlines after it, whitespace runs hold no non-space. NFC cannot join across them either.
+CUT = re.compile(r"(?<=\S)(?= )|(?<=\S\n)(?=\S)")
+
+
+def cut_point(text: str, start: int, end: int) -> int:
+    """The last cut point in text(start, end], looking near `end` first; `end` itself if there is none
+    in the second half (a text without spaces or newlines is then cut where it must)."""
+    for lo in (end - 4096, start + (end - start) // 2):
+        last = None
+        for m in CUT.finditer(text, max(lo, start + 1), end):
+            last = m
+        if last is not None:
+            return last.start()
+    return end
+
+
+def segments(pieces: Iterable[str], limit: int) -> Iterator[tuple[str, bool]]:
+    """One document's text (given in pieces of any size) as (segment, is_last): a document of at most
+    `limit` characters is a single segment, a longer one is cut at cut points into segments of at most
+    `limit` characters, produced as the pieces arrive."""
+    buf: list[str] = []
+    size = 0
+    for piece in pieces:
+        buf.append(piece)
+        size += len(piece)
+        if size <= limit:
+            continue
+        text, start = "".join(buf), 0
+        while len(text) - start > limit:
+            at = cut_point(text, start, start + limit)
+            yield text[start:at], False  # not last: text[at:] is not empty
+            start = at
+        buf, size = [text[start:]], len(text) - start
+    yield "".join(buf), True
+
+
 def windows(spec: str, model_dir: Path, *, num_samples: int, seq_len: int) -> Windows:
-    """`num_samples` windows of exactly `seq_len` tokens from `spec` (fewer, with a note, if it is short)."""
-    docs, source = load_docs(spec)
-    enc = Encoder(model_dir)
+    """`num_samples` windows of exactly `seq_len` tokens from `spec` (fewer, with a note, if it is short).
+
+    Reading stops once the windows are full: at the end of a document, or inside one longer than
+    PIECE_CHARS. The sha256 covers the text tokenised, so it is the old whole-document hash unless a
+    document was left part-read (for one longer than PIECE_CHARS, which before was always read whole);
+    `tokens` counts the tokens gathered. A bad line after the windows are full is not read, so not reported.
+    """
+    need = num_samples * seq_len
     stream: list[int] = []
     h = hashlib.sha256()
-    need = num_samples * seq_len
-    used = 0
-    for doc in docs:
-        text = enc.chat(doc) if isinstance(doc, list) else doc
-        h.update(text.encode("utf-8"))
-        stream += enc.encode(text)
-        if enc.eos is not None:
-            stream.append(enc.eos)
-        used += 1
-        if len(stream) >= need:
+    used, content = 0, False
+    with open_docs(spec) as (docs, source):
+        enc = Encoder(model_dir)
+        for doc in docs:
+            used += 1
+            if isinstance(doc, list):
+                content = content or bool(doc)
+            pieces = [enc.chat(doc)] if isinstance(doc, list) else [doc] if isinstance(doc, str) else doc
+            for text, last in segments(pieces, PIECE_CHARS):
+                content = content or (bool(text) and not text.isspace())
+                h.update(text.encode("utf-8"))
+                stream += enc.encode(text)
+                if not last and len(stream) >= need:
+                    break
+            else:
+                if enc.eos is not None:
+                    stream.append(enc.eos)
+                if len(stream) < need:
+                    continue
             break
+    if not content:
+        raise DatasetError(f"{source}: the dataset is empty")
     n = len(stream) // seq_len
     out = Windows([stream[i * seq_len:(i + 1) * seq_len] for i in range(min(n, num_samples))], source, used,
                   len(stream), h.hexdigest())

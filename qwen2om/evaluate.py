@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from qwen2om.builtin import resolve_model
-from qwen2om.datasets import windows
+from qwen2om.datasets import check_source, windows
 from qwen2om.errors import Qwen2omError
 from qwen2om.output import MANIFEST
 
@@ -122,6 +122,7 @@ def nll(logp: np.ndarray, ids: list[int]) -> float:
 def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int = 16,
                progress: Callable[[int, int], None] = lambda d, t: None,
                log: Callable[[str], None] = lambda m: None) -> PplReport:
+    check_source(dataset)  # a bad --dataset fails before the model loads, not after
     scorer = Scorer(model)
     data = windows(dataset, scorer.tokenizer_dir, num_samples=max_windows, seq_len=window)
     notes = [*data.notes, *scorer.window_note(model, window)]
@@ -140,6 +141,7 @@ def agreement(model: str, reference: str, dataset: str, *, window: int = 256, ma
               log: Callable[[str], None] = lambda m: None) -> AgreeReport:
     from qwen2om.verify import check_same_vocabulary
 
+    check_source(dataset)
     a, b = Scorer(model), Scorer(reference)
     check_same_vocabulary(a.path, b.path, (model, reference))
     data = windows(dataset, b.tokenizer_dir, num_samples=max_windows, seq_len=window)
