@@ -10,6 +10,8 @@ Qwen3-Next hybrids are Qwen3 with most layers swapped for Gated DeltaNet linear 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
@@ -36,6 +38,114 @@ QUANT_TARGETS = (r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|do
                  r"^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
+
+INT32_MAX = 2**31 - 1
+# Every size is at most int32's range: no real dimension comes near it, and an absurd one (2**40) is
+# refused here, naming its key, rather than overflowing a shape or an allocation later.
+# Layer and expert counts are bounded further: the expected-tensor table (and the MoE layer list) is
+# built from them before any tensor is read, so a damaged count must not make qwen2om enumerate
+# billions of names. The bounds are far above any published decoder (Llama 3.1 405B: 126 layers;
+# Qwen3-Next: 512 routed experts; 48 × 512 = 24,576 expert MLPs).
+MAX_LAYERS = 1024
+MAX_EXPERTS = 8192
+MAX_EXPERT_MLPS = 1 << 18
+
+# Activations the static model computes: its MLPs, and the hybrids' conv and gated norm, use SiLU
+# (transformers' "swish" is the same function).
+SILU = ("silu", "swish")
+# RoPE types transformers computes once for every position (rope.py builds a static table from them);
+# "dynamic" and "longrope" change the frequencies with the live sequence length.
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
+LIVE_ROPE = {"dynamic": "NTK scaling follows the live sequence length",
+             "longrope": "its frequencies switch once the sequence outgrows original_max_position_embeddings"}
+# Numbers a rope_parameters / rope_scaling mapping may hold, and whether they must be positive
+# (factors and rotation counts divide or take logs; mscale values only scale a log).
+ROPE_NUMBERS = {"factor": True, "attention_factor": True, "beta_fast": True, "beta_slow": True,
+                "low_freq_factor": True, "high_freq_factor": True, "mscale": False, "mscale_all_dim": False}
+
+
+def shown(value: Any) -> str:
+    """A config value as JSON writes it (null, true, Infinity, "four"), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number (not a boolean) that is finite: no NaN, no Infinity, no integer beyond a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+class ConfigFields:
+    """Typed, range-checked reads of one config mapping: every refusal names the file and the key.
+
+    JSON gives every value its own type, so the checks are strict: an integer key refuses 4.7, 4.0,
+    "4", true and null alike (transformers' config classes refuse them too). An optional key that is
+    absent or null takes its default, as transformers does."""
+
+    def __init__(self, cfg: dict[str, Any], source: str, prefix: str = "") -> None:
+        self.cfg, self.source, self.prefix = cfg, source, prefix
+
+    def error(self, key: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {self.prefix}{key} {problem}")
+
+    def _get(self, key: str, default: Any) -> Any:
+        """The value, or `default` when absent or null; a required key (`default` None) must be set."""
+        value = self.cfg.get(key)
+        if value is None and default is None and key not in self.cfg:
+            raise CheckpointError(f"{self.source}: missing required key {self.prefix + key!r}")
+        return default if value is None and default is not None else value
+
+    def integer(self, key: str, default: int | None = None, *, lo: int = 1, hi: int = INT32_MAX,
+                why: str = "") -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            kind = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer of at least {lo}")
+            raise self.error(key, f"must be {kind}, got {shown(value)}")
+        if value > hi:
+            raise self.error(key, f"must be at most {hi:,}{why}, got {shown(value)}")
+        return value
+
+    def number(self, key: str, default: float | None = None, *, positive: bool = True) -> float:
+        value = self._get(key, default)
+        if not _finite(value) or (positive and value <= 0):
+            raise self.error(key, f"must be a {'positive ' if positive else ''}finite number, got {shown(value)}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {shown(value)}")
+        return value
+
+    def int_list(self, key: str, *, lo: int, hi: int) -> list[int]:
+        """A list of integers in [lo, hi) (absent or null: empty)."""
+        value = self.cfg.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, int) or not lo <= x < hi
+                                              for x in value):
+            raise self.error(key, f"must be a list of layer indices from {lo} to {hi - 1}, got {shown(value)}")
+        return value
+
+    def implemented(self, key: str, allowed: tuple[Any, ...], what: str) -> None:
+        """Refuse a field that changes the numerics when it is set to what the static model does not do
+        (absent or null: transformers' default, which is the implemented one)."""
+        value = self.cfg.get(key)
+        if value is None:
+            return
+        if isinstance(allowed[0], bool) and not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {shown(value)}")
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise CheckpointError(f"{self.source}: {self.prefix}{key}={shown(value)} is not supported "
+                                  f"(qwen2om's static model {what})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,49 +229,54 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelDims:
+        """The sizes of a config.json, every key the static model reads checked for type and range (see
+        ConfigFields), and every field it does not implement refused by name (refuse_unimplemented)."""
         spec = next((a for a in ARCHS if cfg.get("model_type") in a.model_types), None)
+        wrapped = isinstance(cfg.get("text_config"), dict)
         cfg = text_config(cfg)
-
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise CheckpointError(f"{source}: missing required key {key!r}")
-            return cfg[key]
-
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        f = ConfigFields(cfg, source, "text_config." if wrapped else "")
+        refuse_unimplemented(spec, f)
+        hidden = f.integer("hidden_size")
+        layers = f.integer("num_hidden_layers", hi=MAX_LAYERS, why=" (the tensor table is built from it)")
+        heads = f.integer("num_attention_heads")
+        kv_heads = f.integer("num_key_value_heads", heads)
         if heads % kv_heads:
             raise CheckpointError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
-        if cfg.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: use_sliding_window=true is not supported yet")
+        if cfg.get("head_dim") is None and hidden < heads:  # transformers' fallback, hidden // heads, would be 0
+            raise CheckpointError(f"{source}: {f.prefix}num_attention_heads={heads} exceeds hidden_size={hidden}, and "
+                                  "no head_dim is given")
+        head_dim = f.integer("head_dim", hidden // heads)
+        theta, partial = rope_settings(spec, f)
+        hybrid = hybrid_dims(spec, f, layers, head_dim, theta, partial)
+        if not hybrid:
+            layer_types(f, layers, (FULL,))
+            if head_dim % 2:  # rotate_half pairs channel i with i + head_dim/2
+                raise f.error("head_dim", f"must be even: RoPE rotates pairs of channels, got {head_dim}")
         moe: dict[str, Any] = {}
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+        experts = 0
+        if spec is None or spec.moe:  # transformers' dense classes ignore the MoE keys
+            why = " (the tensor table is built from it)"
+            experts = (f.integer("num_experts", 0, lo=0, hi=MAX_EXPERTS, why=why)  # transformers 5 writes the latter:
+                       or f.integer("num_local_experts", 0, lo=0, hi=MAX_EXPERTS, why=why))
         if experts:
-            top_k = int(need("num_experts_per_tok"))
-            if not 1 <= top_k <= experts:
-                raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be between 1 and "
-                                      f"num_experts={experts}")
-            layers = int(need("num_hidden_layers"))
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            moe = {"experts": experts, "top_k": top_k, "moe_intermediate": int(need("moe_intermediate_size")),
-                   "shared_intermediate": int(cfg.get("shared_expert_intermediate_size") or 0),
-                   "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) or bool(spec and spec.norm_topk_always),
-                   "sparse": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)}
+            moe = moe_dims(spec, f, layers, experts)
+        dense_layers = not experts or len(moe["sparse"]) < layers
         return cls(
             **moe,
-            **hybrid_dims(cfg, source),
+            **hybrid,
             hidden=hidden,
-            layers=int(need("num_hidden_layers")),
+            layers=layers,
             heads=heads,
             kv_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate=int(cfg.get("intermediate_size") or 0) if experts else int(need("intermediate_size")),
-            vocab=int(need("vocab_size")),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-            max_positions=int(cfg.get("max_position_embeddings", 32768)),
+            head_dim=head_dim,
+            # Only layers with a dense MLP read it: an MoE model whose every layer is sparse may omit it.
+            intermediate=f.integer("intermediate_size") if dense_layers else f.integer("intermediate_size", 0, lo=0),
+            vocab=f.integer("vocab_size"),
+            rms_eps=f.number("rms_norm_eps", 1e-6),
+            tied=f.flag("tie_word_embeddings", False),
+            max_positions=f.integer("max_position_embeddings", 32768),
         )
 
 
@@ -177,30 +292,134 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "tie_word_embeddings": tied}
 
 
-def hybrid_dims(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """The hybrid fields of ModelDims ({} for a config without linear-attention layers)."""
-    if not cfg.get("linear_num_value_heads"):
+def refuse_unimplemented(spec: ArchSpec | None, f: ConfigFields) -> None:
+    """Refuse, by name, config fields that change the numerics and that the static model (static_model.py,
+    static_hybrid.py) does not implement, rather than convert as if they were not there."""
+    f.implemented("hidden_act", SILU, "implements silu")
+    f.implemented("hidden_activation", SILU, "implements silu")
+    f.implemented("mlp_bias", (False,), "has no MLP bias")
+    f.implemented("use_sliding_window", (False,), "implements full attention only, no sliding window")
+    if spec is None:
+        return
+    # qwen2_moe reads `qkv_bias` (default true); the Qwen3 family reads `attention_bias` (q/k/v/o).
+    if spec.qkv_bias:
+        f.implemented("qkv_bias", (True,), f"for {spec.name} always adds the q/k/v bias")
+    else:
+        f.implemented("attention_bias", (False,), f"for {spec.name} has no attention bias")
+    norm = "always normalises q and k per head" if spec.qk_norm else "has no q/k norm"
+    f.implemented("use_qk_norm", (spec.qk_norm,), f"for {spec.name} {norm}")
+    gate = "always gates the attention output" if spec.hybrid else "has no attention output gate"
+    f.implemented("attn_output_gate", (spec.hybrid,), f"for {spec.name} {gate}")
+
+
+def rope_settings(spec: ArchSpec | None, f: ConfigFields) -> tuple[float, float]:
+    """rope_theta and partial_rotary_factor as transformers resolves them (a legacy `rope_scaling` wins over
+    `rope_parameters`; either falls back to the top-level keys), every RoPE number checked, and the RoPE
+    types the static model cannot build refused by name."""
+    cfg = f.cfg
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = cfg.get(key)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise f.error(key, f"must be a mapping, got {shown(params)}")
+    p = ConfigFields(params, f.source, f"{f.prefix}{key}.")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    hybrid = bool(spec and spec.hybrid)
+    supported = ("default",) if hybrid else STATIC_ROPE  # static_hybrid.py builds plain RoPE only
+    if isinstance(rope_type, str) and rope_type in LIVE_ROPE:
+        raise CheckpointError(f"{f.source}: {f.prefix}{key}: rope_type {rope_type!r} has no static-shape equivalent "
+                              f"({LIVE_ROPE[rope_type]})")
+    if not isinstance(rope_type, str) or rope_type not in supported:
+        raise CheckpointError(f"{f.source}: {p.prefix}rope_type={shown(rope_type)} is not supported (qwen2om's "
+                              f"static model{' for hybrids' if hybrid else ''} implements {', '.join(supported)})")
+    theta = p.number("rope_theta") if "rope_theta" in params else f.number("rope_theta", 10_000.0)
+    where = p if "partial_rotary_factor" in params else f
+    partial = where.number("partial_rotary_factor", 1.0)
+    if partial > 1:
+        raise where.error("partial_rotary_factor", f"must be at most 1 (the fraction of head_dim RoPE rotates), "
+                                                   f"got {partial}")
+    if not hybrid and partial != 1:
+        raise CheckpointError(f"{f.source}: {where.prefix}partial_rotary_factor={partial} is not supported "
+                              f"(qwen2om's static model for {spec.name if spec else 'this model'} rotates the whole "
+                              "head)")
+    for name, positive in ROPE_NUMBERS.items():
+        if params.get(name) is not None:  # null: transformers' default for that RoPE type
+            p.number(name, positive=positive)
+    if rope_type in ("linear", "yarn", "llama3"):
+        p.number("factor")
+    if params.get("original_max_position_embeddings") is not None:
+        p.integer("original_max_position_embeddings")
+    if rope_type == "llama3" and p.number("high_freq_factor") <= p.number("low_freq_factor"):
+        # transformers divides by their difference
+        raise p.error("high_freq_factor", f"must exceed low_freq_factor={params['low_freq_factor']}, "
+                                          f"got {params['high_freq_factor']}")
+    if params.get("truncate") is not None:
+        p.flag("truncate", True)
+    return theta, partial
+
+
+def layer_types(f: ConfigFields, layers: int, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    """`layer_types` checked against num_hidden_layers and the attention kinds the model implements
+    (None when absent)."""
+    types = f.cfg.get("layer_types")
+    if types is None:
+        return None
+    kinds = " or ".join(map(repr, allowed))
+    if not isinstance(types, list) or len(types) != layers:
+        raise f.error("layer_types", f"must list {layers} entries (num_hidden_layers), each {kinds}, "
+                                     f"got {shown(types)}")
+    for i, kind in enumerate(types):
+        if isinstance(kind, str) and kind in allowed:
+            continue
+        if kind == "sliding_attention":
+            raise CheckpointError(f"{f.source}: {f.prefix}layer_types[{i}]=\"sliding_attention\" is not supported "
+                                  "(qwen2om's static model implements full attention only, no sliding window)")
+        raise f.error(f"layer_types[{i}]", f"must be {kinds}, got {shown(kind)}")
+    return tuple(types)
+
+
+def moe_dims(spec: ArchSpec | None, f: ConfigFields, layers: int, experts: int) -> dict[str, Any]:
+    """The MoE fields of ModelDims for a config with `experts` routed experts."""
+    top_k = f.integer("num_experts_per_tok")
+    if top_k > experts:
+        raise CheckpointError(f"{f.source}: num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+    step = f.integer("decoder_sparse_step", 1)
+    dense = set(f.int_list("mlp_only_layers", lo=0, hi=layers))
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if experts * len(sparse) > MAX_EXPERT_MLPS:
+        raise CheckpointError(f"{f.source}: num_experts={experts} in {len(sparse)} sparse layers is "
+                              f"{experts * len(sparse):,} expert MLPs, more than {MAX_EXPERT_MLPS:,} (the tensor "
+                              "table is built from them)")
+    shared = (f.integer("shared_expert_intermediate_size") if spec and spec.shared_expert
+              else f.integer("shared_expert_intermediate_size", 0, lo=0))
+    return {"experts": experts, "top_k": top_k, "moe_intermediate": f.integer("moe_intermediate_size"),
+            "shared_intermediate": shared,
+            "norm_topk_prob": f.flag("norm_topk_prob", False) or bool(spec and spec.norm_topk_always),
+            "sparse": sparse}
+
+
+def hybrid_dims(spec: ArchSpec | None, f: ConfigFields, layers: int, head_dim: int, theta: float,
+                partial: float) -> dict[str, Any]:
+    """The hybrid fields of ModelDims ({} for a config without linear-attention layers). A hybrid
+    architecture must give its linear-attention sizes (transformers' defaults are a 9B model's)."""
+    if not (spec.hybrid if spec is not None else f.cfg.get("linear_num_value_heads")):
         return {}
-    layers = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
+    types = layer_types(f, layers, (LINEAR, FULL))
     if types is None:  # transformers derives them from the interval: every Nth layer is full attention
-        interval = int(cfg.get("full_attention_interval") or 4)
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
-    if len(types) != layers or set(types) - {LINEAR, FULL}:
-        raise CheckpointError(f"{source}: layer_types must list {layers} entries, each {LINEAR!r} or {FULL!r} "
-                              f"(got {types})")
-    rope = cfg.get("rope_parameters") or {}
-    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    out = {"layer_types": tuple(types), "lin_k_heads": int(cfg["linear_num_key_heads"]),
-           "lin_v_heads": int(cfg["linear_num_value_heads"]), "lin_k_dim": int(cfg["linear_key_head_dim"]),
-           "lin_v_dim": int(cfg["linear_value_head_dim"]), "conv_kernel": int(cfg.get("linear_conv_kernel_dim", 4)),
-           "rotary_dim": int(head_dim * factor),
-           "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 1e4)))}
-    if out["lin_v_heads"] % out["lin_k_heads"]:
-        raise CheckpointError(f"{source}: linear_num_value_heads={out['lin_v_heads']} is not a multiple of "
-                              f"linear_num_key_heads={out['lin_k_heads']}")
-    return out
+        interval = f.integer("full_attention_interval", 4)
+        types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
+    k_heads, v_heads = f.integer("linear_num_key_heads"), f.integer("linear_num_value_heads")
+    if v_heads % k_heads:
+        raise CheckpointError(f"{f.source}: linear_num_value_heads={v_heads} is not a multiple of "
+                              f"linear_num_key_heads={k_heads}")
+    rotary = int(head_dim * partial)
+    if rotary < 2 or rotary % 2:
+        raise CheckpointError(f"{f.source}: partial_rotary_factor={partial} of head_dim={head_dim} is {rotary} RoPE "
+                              "channels; RoPE rotates pairs of channels, so that must be a positive even number")
+    return {"layer_types": types, "lin_k_heads": k_heads, "lin_v_heads": v_heads,
+            "lin_k_dim": f.integer("linear_key_head_dim"), "lin_v_dim": f.integer("linear_value_head_dim"),
+            "conv_kernel": f.integer("linear_conv_kernel_dim", 4), "rotary_dim": rotary, "rope_theta": theta}
 
 
 def linear_attn_tensors(arch: ArchSpec, d: ModelDims, p: str) -> dict[str, tuple[int, ...]]:
@@ -337,6 +556,8 @@ def resolve_arch(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
     for arch in ARCHS:
         if model_type in arch.model_types:
             declared = cfg.get("architectures") or list(arch.hf_architectures)
+            if not isinstance(declared, list) or not all(isinstance(a, str) for a in declared):
+                raise CheckpointError(f"{source}: architectures must be a list of class names, got {shown(declared)}")
             if not set(declared) & set(arch.hf_architectures):
                 raise CheckpointError(
                     f"{source}: architectures {declared} are not supported for model_type {model_type!r} "

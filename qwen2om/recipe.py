@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import os
+import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from qwen2om.errors import Qwen2omError, RecipeError
+from qwen2om.errors import PlanError, Qwen2omError, RecipeError
+
+if TYPE_CHECKING:
+    from qwen2om.arch import ModelDims
 
 AUTO = "auto"
 DTYPES = ("fp32", "fp16")
@@ -25,6 +30,25 @@ COMPILE = ("auto", "dry-run")
 LOGITS = ("last", "all")
 SCALES = ("auto", "constants", "inputs")
 MAX_GEARS = 100  # ATC accepts at most 100 --dynamic_dims gears
+# A static graph computes all of its B rows on every call, used or not, and its KV cache is B times one
+# row's: past 256 rows (vLLM's default max_num_seqs, the most sequences a serving engine batches by
+# default) a static batch is a typo, which would otherwise surface only after the whole export.
+MAX_BATCH = 256
+# ONNX Runtime's GroupQueryAttention takes the positions a call sees (cache + new tokens) as int32.
+INT32_MAX = 2**31 - 1
+# What every output directory holds, whatever the recipe: the workspace slots that fill it. A pipeline
+# that never fills one would run to its end, then fail building the manifest or write an OUT that
+# `qwen2om run` cannot load.
+OUTPUT_SLOTS = {"signatures": "the graphs' inputs and outputs, which manifest.json records",
+                "onnx_files": "the ONNX graphs and their weights",
+                "package_files": "the tokenizer, config files and run.py that `qwen2om run` loads"}
+# Recipe files are a few hundred bytes of YAML nested four levels deep (pipeline → step → arguments →
+# value), with a few dozen values. The bounds refuse what safe_load would let through: an alias bomb
+# (nine lines that expand to 10⁹ values when Recipe.to_dict copies them), nesting that exhausts the
+# composer's recursion, and files that are not recipes at all.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_NODES = 10_000
+MAX_YAML_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +131,9 @@ class Recipe:
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):
                 raise RecipeError(f"{field}={v!r} must be a positive integer or 'auto'")
+        if isinstance(self.batch_size, int) and self.batch_size > MAX_BATCH:
+            raise RecipeError(f"batch_size={self.batch_size} is more than {MAX_BATCH}: a static graph computes every "
+                              "row on every call, and the KV cache grows with each (recipe.py, MAX_BATCH)")
         self.check_gears()  # before the chunk/capacity check: with gears, the chunk is the largest gear
         if isinstance(self.max_seq_len, int) and isinstance(self.prefill_chunk, int):
             if self.prefill_chunk > self.max_seq_len:
@@ -122,7 +149,15 @@ class Recipe:
 
         for name, _ in self.pipeline:
             PASSES.get(name)
-        check_plan([n for n, _ in self.pipeline])
+        names = [n for n, _ in self.pipeline]
+        check_plan(names)
+        for name, args in self.pipeline:
+            check_pass_args(name, args)
+        if missing := [slot for slot in OUTPUT_SLOTS if not any(slot in PASSES.get(n).produces for n in names)]:
+            slot = missing[0]
+            makers = " or ".join(repr(e.name) for e in PASSES if slot in e.produces)
+            raise PlanError(f"the pipeline has no {makers} pass: every output needs {OUTPUT_SLOTS[slot]} "
+                            f"({slot!r}); add {makers} to the pipeline")
 
 
     def check_gears(self) -> None:
@@ -153,6 +188,65 @@ class Recipe:
         if isinstance(self.max_seq_len, int) and (over := [x for x in g if x > self.max_seq_len]):
             raise RecipeError(f"gears={shown}: gear {over[0]} is outside 1..{self.max_seq_len} (max_seq_len, the "
                               "cache capacity)")
+
+
+def check_pass_args(name: str, args: dict[str, Any]) -> None:
+    """A pass's recipe arguments, checked before any work: typed against its constructor (YAML reads
+    `experts: "no"` as a string, which bool() would take for true; counts and limits are never negative),
+    then by building the pass, whose own checks (lower_int4's accuracy_level 0-4) run in its constructor."""
+    from qwen2om.pipeline import PASSES, build_pass
+
+    factory = PASSES.get(name).factory
+    try:
+        hints = typing.get_type_hints(factory.__init__)  # type: ignore[misc]
+    except (NameError, TypeError):  # an annotation this module cannot resolve: the constructor still checks
+        hints = {}
+    for arg, value in args.items():
+        want = hints.get(arg) if isinstance(arg, str) else None
+        if want is bool and not isinstance(value, bool):
+            raise RecipeError(f"pass {name!r}: {arg}={value!r} must be true or false")
+        if want is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RecipeError(f"pass {name!r}: {arg}={value!r} must be a non-negative integer")
+        if want is str and not isinstance(value, str):
+            raise RecipeError(f"pass {name!r}: {arg}={value!r} must be a string")
+    try:
+        build_pass(name, args)
+    except ValueError as e:
+        raise RecipeError(f"pass {name!r}: {e}") from None
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_capacity(r: Recipe, dims: ModelDims) -> None:
+    """Refuse a resolved recipe whose buffers cannot exist, before anything allocates them: positions past
+    int32, or a KV cache plus RoPE tables larger than this machine's memory. They are what the output
+    needs to run, and a floor on what converting it takes: static_model computes the tables here (in
+    float64) and export_onnx traces with caches of the full capacity."""
+    p, t, b = int(r.max_seq_len), int(r.prefill_chunk), r.batch_size
+    if p + t > INT32_MAX:
+        raise RecipeError(f"max_seq_len={p:,}: a call sees the cache and {t} new tokens, {p + t:,} positions, more "
+                          f"than {INT32_MAX:,} (ONNX Runtime's attention kernel counts them in int32)")
+    itemsize = {"fp32": 4, "fp16": 2}[r.dtype]
+    full = sum(1 for i in range(dims.layers) if not dims.is_linear(i))
+    kv = b * full * 2 * dims.kv_heads * p * dims.head_dim * itemsize
+    rope = 2 * p * (dims.rotary_dim or dims.head_dim) * 4  # cos and sin, float32 graph constants
+    have = physical_memory()
+    if have is not None and kv + rope > have:
+        raise RecipeError(
+            f"max_seq_len={p:,}: the KV cache ({full} layers × K and V × batch {b} × {dims.kv_heads} heads × {p:,} "
+            f"positions × {dims.head_dim} × {itemsize} bytes) and RoPE tables need {_gib(kv + rope)} "
+            f"({kv + rope:,} bytes), more than this machine's {_gib(have)} of memory: lower --max-seq-len"
+            + (" or --batch-size" if b > 1 else ""))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def _gears(key: str, value: Any, where: str) -> tuple[int, ...]:
@@ -235,8 +329,118 @@ def from_mapping(data: Any, where: str) -> Recipe:
             raise RecipeError(f"{where}: missing required key {key!r}")
     values = {k: _coerce(k, v, where) for k, v in data.items()}
     recipe = Recipe(**values)
-    recipe.check()
+    try:
+        recipe.check()
+    except Qwen2omError as e:  # the file's values: say which file
+        raise type(e)(f"{where}: {e}") from None
     return recipe
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing what safe_load lets through: nesting past MAX_YAML_DEPTH (the composer
+    recurses once per level, so 50,000 levels are a RecursionError) and duplicate mapping keys (YAML
+    forbids them; PyYAML silently keeps the last)."""
+
+    def __init__(self, stream: str, where: str) -> None:
+        super().__init__(stream)
+        self.where, self.depth = where, 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                line = self.peek_event().start_mark.line + 1
+                raise RecipeError(f"{self.where}: line {line}: nested more than {MAX_YAML_DEPTH} levels deep "
+                                  "(a recipe needs four)")
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden: that is its use
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # PyYAML's own error names the unhashable key
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise RecipeError(f"{self.where}: line {line}: duplicate key {key!r} (first on line {first[key]})")
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_expansion(root: yaml.Node, where: str) -> None:
+    """Refuse a composed document whose aliases expand past MAX_YAML_NODES values or MAX_YAML_DEPTH levels,
+    or refer to the collection that holds them, before anything constructs or copies it. Each distinct
+    node is visited once (iteratively: the expansion may be deep), so a bomb costs its own size."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key, kids = id(node), _children(node)
+        line = node.start_mark.line + 1
+        if done:
+            open_nodes.discard(key)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            if size[key] > MAX_YAML_NODES or depth[key] > MAX_YAML_DEPTH:
+                raise RecipeError(f"{where}: line {line}: with its aliases followed, this holds more than "
+                                  f"{MAX_YAML_NODES:,} values or nests more than {MAX_YAML_DEPTH} levels (a recipe "
+                                  "has a few dozen values, four levels deep)")
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise RecipeError(f"{where}: line {line}: an alias refers to the collection that contains it")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """One YAML document, bounded (see _RecipeLoader, _check_expansion); every failure a RecipeError naming `where`."""
+    loader = _RecipeLoader(text, where)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, where)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{where}: invalid YAML ({' '.join(str(e).split())})") from None
+    except RecursionError:  # the bounds above should make this unreachable; a traceback would be worse
+        raise RecipeError(f"{where}: nested too deeply to read") from None
+    finally:
+        loader.dispose()
+
+
+def read_recipe_text(path: Path) -> str:
+    """A recipe file's text: a regular file of at most MAX_RECIPE_BYTES, UTF-8."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or e})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: more than {MAX_RECIPE_BYTES:,} bytes; a recipe is a few hundred")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
 
 def bundled_recipes() -> list[str]:
@@ -248,19 +452,17 @@ def load_recipe(name_or_path: str) -> Recipe:
     """A bundled recipe by name (`qwen3-fp32`) or a YAML file by path."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
+        if not path.exists():
             raise RecipeError(f"{path}: recipe file not found")
-        text, where = path.read_text(encoding="utf-8"), str(path)
+        if not path.is_file():  # a directory, or a FIFO whose read would block
+            raise RecipeError(f"{path}: not a regular file")
+        text, where = read_recipe_text(path), str(path)
     else:
         res = importlib.resources.files("qwen2om.recipes") / f"{name_or_path}.yaml"
         if not res.is_file():
             raise RecipeError(f"unknown recipe {name_or_path!r} (bundled: {', '.join(bundled_recipes())})")
         text, where = res.read_text(encoding="utf-8"), f"recipes/{name_or_path}.yaml"
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{where}: invalid YAML ({e})") from None
-    recipe = from_mapping(data, where)
+    recipe = from_mapping(parse_yaml(text, where), where)
     return dataclasses.replace(recipe, name=recipe.name or Path(where).stem)
 
 

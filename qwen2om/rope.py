@@ -12,13 +12,20 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 
 from qwen2om.errors import CheckpointError
 
 
 def hf_config(cfg: dict[str, Any]) -> transformers.PretrainedConfig:
-    """The transformers config object for a config.json dict (offline, no hub)."""
-    return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
+    """The transformers config object for a config.json dict (offline, no hub). transformers validates
+    its fields strictly; what it refuses that qwen2om's own schema (arch.ConfigFields) let through is
+    still the config's fault, so it is reported as such, not as a traceback."""
+    try:
+        return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as e:
+        why = " ".join(str(e).split())
+        raise CheckpointError(f"config.json: transformers cannot read this config: {why}") from None
 
 
 def rope_tables(cfg: dict[str, Any], positions: int) -> tuple[torch.Tensor, torch.Tensor]:

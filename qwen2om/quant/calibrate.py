@@ -33,7 +33,7 @@ from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.confine import confined
-from qwen2om.datasets import windows
+from qwen2om.datasets import check_source, windows
 from qwen2om.errors import Qwen2omError
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import check_output, mark_written, staged_output
@@ -574,6 +574,8 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         raise CalibrationError(f"--method {cfg.method!r} is not one of {', '.join(METHODS)}")
     if cfg.fmt not in FORMATS:
         raise CalibrationError(f"--format {cfg.fmt!r} is not one of {', '.join(FORMATS)}")
+    if cfg.method != "rtn" and cfg.scheme != "fp8-block":
+        check_source(cfg.dataset)  # a missing or special file is named before the model is opened
     source = resolve_model(model)
     ckpt = Checkpoint(source)
     if ckpt.quantized or ckpt.config.get("quantization_config"):
