@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
@@ -18,23 +20,39 @@ from typing import Any
 
 import torch
 
-from qwen2om.arch import ArchSpec, ModelDims, expected_tensors, resolve_arch
+from qwen2om.arch import ArchSpec, ModelDims, expected_tensors, resolve_arch, text_config
+from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError
-from qwen2om.quantized import QuantWeight, read_quantization
-from qwen2om.safetensors_io import Shard, TensorInfo
+from qwen2om.quantized import DESCRIPTION, Fp8Weight, QuantWeight, read_quantization
+from qwen2om.safetensors_io import DTYPE_NAMES, DuplicateKey, Shard, TensorInfo, strict_json
 
 SCAN_BLOCK = 16 << 20
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SIDE_FILES = (INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# Parts of a checkpoint that are never converted, whatever the architecture: multi-token-prediction
+# heads (Qwen3-Next and Qwen3.5 publish them as `mtp.*`).
+NOT_CONVERTED = ("mtp.",)
+# Quantisation storage of a quantised `X.weight`, by suffix of `X.weight` (qwen2om.quantized): int4
+# compressed-tensors (g_idx: llm-compressor's act-order permutation), msModelSlim, FP8 scales.
+QUANT_STORAGE = ("_packed", "_scale", "_shape", "_zero_point", "_g_idx", "_offset", "_scale_inv")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from `path`, or a CheckpointError naming the file and the problem."""
+    """A JSON object from `path`, or a CheckpointError naming the file and the problem (a key given
+    twice included: which value was meant is a guess)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} not found")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = strict_json(path.read_text(encoding="utf-8"))
+    except DuplicateKey as e:
+        raise CheckpointError(f"{path}: cannot read {what}: key {e.key!r} appears twice in one object") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot read {what}: nested too deeply") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read {what}: {e}") from None
     if not isinstance(data, dict):
@@ -49,6 +67,7 @@ class Checkpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
+        self._present("config.json")
         self.config = read_json(self.root / "config.json", "config.json")
         self.arch: ArchSpec = resolve_arch(self.config, str(self.root / "config.json"))
         self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
@@ -57,26 +76,44 @@ class Checkpoint:
         self._stored: dict[str, str] = {}
         # Parts of a published checkpoint that are not converted: name prefix → tensor count.
         self.ignored: dict[str, int] = {}
+        # Tensors an indexed shard holds that its index does not list: nothing reads them.
+        self._unlisted: list[str] = []
         stored = self._locate_tensors()
         self._where = self._unwrap(stored)
+        self._check_sizes()
+        self._side_files = [p for name in SIDE_FILES if (p := self._present(name))]
+        self._present(DESCRIPTION)
         # Quantisation is read from the files' own names, then addressed by text-model names too.
         found = read_quantization(self.config, stored, str(self.root))
         self.quantized: dict[str, QuantWeight] = {self.text_name(n): self._renamed(q) for n, q in found.items()}
 
     # -- discovery -------------------------------------------------------------------------
+    def _present(self, name: str) -> Path | None:
+        """`root / name` when something is there (a dangling link included), checked by `confined`:
+        a regular file inside the checkpoint, so a link to a key file or a FIFO is refused before
+        anything opens it. None when nothing is there."""
+        path = self.root / name
+        if not (path.exists() or path.is_symlink()):
+            return None
+        confined(self.root, name)
+        return path
+
     def _locate_tensors(self) -> dict[str, Path]:
         index = self.root / INDEX_FILE
-        if index.exists():
+        if self._present(INDEX_FILE):
             weight_map = read_json(index, "safetensors index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: no 'weight_map' in the index")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str) or not shard:
+                    raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}, not a shard file name")
+            for shard in sorted(set(weight_map.values())):
+                if not self._present(shard):
+                    raise CheckpointError(f"{index} names shard {shard}, which does not exist")
             where = {name: self.root / shard for name, shard in weight_map.items()}
-            for shard in sorted(set(where.values())):
-                if not shard.is_file():
-                    raise CheckpointError(f"{index} names shard {shard.name}, which does not exist")
         else:
             single = self.root / SINGLE_FILE
-            shards = [single] if single.is_file() else sorted(self.root.glob("*.safetensors"))
+            shards = [single] if self._present(SINGLE_FILE) else sorted(self.root.glob("*.safetensors"))
             if not shards:
                 if (self.root / "manifest.json").is_file():
                     raise CheckpointError(f"{self.root} is a qwen2om output directory (manifest.json, ONNX graphs), "
@@ -85,14 +122,20 @@ class Checkpoint:
                 raise CheckpointError(f"{self.root}: no *.safetensors weights and no {INDEX_FILE}")
             where = {}
             for shard in shards:
+                self._present(shard.name)
                 for name in self._open(shard).tensors:
+                    # Without an index nothing says which copy is meant; transformers keeps the last.
+                    if name in where:
+                        raise CheckpointError(f"{where[name]} and {shard} both hold tensor {name!r}; without "
+                                              f"{INDEX_FILE} nothing says which one is meant")
                     where[name] = shard
         # Open every shard now so a truncated or corrupt file fails before any work.
         for shard in sorted(set(where.values())):
             present = set(self._open(shard).tensors)
-            for name, path in where.items():
-                if path == shard and name not in present:
-                    raise CheckpointError(f"{shard}: the index says it holds {name!r}, but it does not")
+            listed = {name for name, path in where.items() if path == shard}
+            if missing := sorted(listed - present):
+                raise CheckpointError(f"{shard}: the index says it holds {missing[0]!r}, but it does not")
+            self._unlisted += sorted(present - listed)
         return where
 
     def _unwrap(self, where: dict[str, Path]) -> dict[str, Path]:
@@ -105,8 +148,9 @@ class Checkpoint:
                 self._stored["model." + name[len(inner):]] = name
                 out["model." + name[len(inner):]] = path
                 continue
-            if self.arch.wrapper_architectures and name.startswith(("model.visual.", "mtp.")):
-                part = "mtp" if name.startswith("mtp.") else "model.visual"
+            if name.startswith(NOT_CONVERTED) or (self.arch.wrapper_architectures
+                                                  and name.startswith("model.visual.")):
+                part = name.split(".")[0] if name.startswith(NOT_CONVERTED) else "model.visual"
                 self.ignored[part] = self.ignored.get(part, 0) + 1
             out[name] = path
         if self.ignored.get("model.visual") and not any(n.startswith("model.layers.") for n in out):
@@ -144,12 +188,9 @@ class Checkpoint:
 
     @cached_property
     def files(self) -> list[Path]:
-        """Every file the conversion reads (config, index, shards, tokenizer files present)."""
-        found = {self.root / "config.json", *self._where.values()}
-        for extra in (INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            if (self.root / extra).is_file():
-                found.add(self.root / extra)
-        return sorted(found)
+        """Every file the conversion reads (config, index, shards, tokenizer files present), each
+        checked by `confined` when the checkpoint was opened."""
+        return sorted({self.root / "config.json", *self._where.values(), *self._side_files})
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -197,8 +238,28 @@ class Checkpoint:
         one tensor per expert (as published)."""
         return any(n.endswith(".mlp.experts.gate_up_proj") for n in self._where)
 
+    def _check_sizes(self) -> None:
+        """Config sizes that multiply work (the expected-tensor list, the layers built) must not exceed
+        what the checkpoint holds: `num_hidden_layers: 1e9` grew that list by ~100 MB/s before any
+        check could say a tensor is missing."""
+        cfg = self.root / "config.json"
+        layers = [int(m.group(1)) for n in self._where if (m := LAYER.match(n))]
+        if self.dims.layers > 1 + max(layers, default=-1):
+            held = f"layers 0–{max(layers)}" if layers else "no layers (model.layers.*)"
+            raise CheckpointError(f"{cfg}: num_hidden_layers={self.dims.layers} but the checkpoint holds {held}")
+        if not self.dims.sparse:  # no MoE layer: no expert is read, however many the config names
+            return
+        experts = [int(m.group(1)) for n in self._where if (m := EXPERT.match(n))]
+        experts += [self.info(n).shape[0] - 1 for n in self._where if FUSED_EXPERTS.match(n) and self.info(n).shape]
+        if self.dims.experts > 1 + max(experts, default=-1):
+            text = text_config(self.config)
+            key = next((k for k in ("num_experts", "num_local_experts") if text.get(k)), "num_experts")
+            held = f"experts 0–{max(experts)}" if experts else "no experts (model.layers.N.mlp.experts.*)"
+            raise CheckpointError(f"{cfg}: {key}={self.dims.experts} but the checkpoint holds {held}")
+
     def validate_layout(self) -> dict[str, tuple[int, ...]]:
-        """Check every tensor the architecture needs is present with the config's shape."""
+        """Check every tensor the architecture needs is present with the config's shape, and, unless
+        a quantisation format says otherwise, holds floats."""
         want = expected_tensors(self.arch, self.dims, fused=self.fused_experts)
         if self.dims.layer_types:
             self._check_layer_types()
@@ -211,7 +272,46 @@ class Checkpoint:
                     f"{self._where.get(name, self.root)}: tensor {name!r} has shape {list(got)}, "
                     f"but config.json implies {list(shape)}"
                 )
+            # An I16 k_proj would be widened to float as integers: garbage with the right shape.
+            if name not in self.quantized and not (info := self.info(name)).dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{self._where[name]}: tensor {name!r} is {DTYPE_NAMES[info.dtype]}, but it holds float "
+                    "weights (integer storage is read only as part of a quantisation format config.json names)"
+                )
         return want
+
+    def unused(self) -> list[str]:
+        """Tensors nothing converts: not expected by the config, not the storage of an expected quantised
+        weight, not a part of the checkpoint qwen2om knowingly leaves out (`ignored`), not a known
+        harmless buffer. Stored names, sorted; e.g. layers 2–3 of a config lowered to 2 layers."""
+        want = set(expected_tensors(self.arch, self.dims, fused=self.fused_experts))
+        storage = {n for q in self.quantized.values() if q.name in want for n in quant_storage(q)}
+        skip = tuple(f"{part}." for part in self.ignored)
+
+        def harmless(name: str) -> bool:
+            # Old checkpoints saved RoPE's inverse frequencies (recomputed from rope_theta); a tied
+            # head saved anyway is replaced by the embedding, by transformers as by qwen2om.
+            return name.endswith(".rotary_emb.inv_freq") or (name == "lm_head.weight" and self.dims.tied)
+
+        left = [self.stored_name(n) for n in self._where
+                if n not in want and n not in storage and not n.startswith(skip) and not harmless(n)]
+        return sorted([*left, *self._unlisted], key=natural)
+
+    def check_unused(self, warn: Callable[[str], None] | None = None) -> list[str]:
+        """Refuse tensors the config does not account for (`unused`), naming them; with `warn`, say
+        so through it instead and go on. Returns them."""
+        names = self.unused()
+        if names:
+            listed = f"{summarize(names, self._stored_names())} ({len(names)} tensor{'s' * (len(names) != 1)})"
+            if warn is None:
+                raise CheckpointError(f"{self.root}: holds tensors config.json does not account for: {listed}; "
+                                      "check num_hidden_layers and the other sizes, or convert with "
+                                      "--allow-unused to leave them out")
+            warn(f"leaving out tensors config.json does not account for (--allow-unused): {listed}")
+        return names
+
+    def _stored_names(self) -> list[str]:
+        return [*map(self.stored_name, self._where), *self._unlisted]
 
     def _check_layer_types(self) -> None:
         """Hybrids: each layer's tensors are of the kind `layer_types` says; the conv kernel is the config's."""
@@ -281,3 +381,36 @@ class Checkpoint:
         for shard in self._handles.values():
             shard.close()
         self._handles.clear()
+
+
+def quant_storage(q: QuantWeight) -> list[str]:
+    """The names a quantised weight may be stored under: `X.weight` itself (FP8, msModelSlim int8)
+    and its scale, zero point, packing and shape tensors."""
+    extra = [q.scale_name] if isinstance(q, Fp8Weight) else []
+    return [q.name, *extra, *(q.name + suffix for suffix in QUANT_STORAGE)]
+
+
+def natural(name: str) -> list[int | str]:
+    """Sort key: `model.layers.10` after `model.layers.9`."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def summarize(names: list[str], everything: Iterable[str], *, limit: int = 8) -> str:
+    """`names`, compactly: where they are every tensor under a numbered prefix (a layer, an expert),
+    that prefix once as `model.layers.2.*`; the rest by name; at most `limit` items."""
+    prefixes = Counter(p for n in everything for p in numbered_prefixes(n))
+    chosen = Counter(p for n in names for p in numbered_prefixes(n))
+    items: list[str] = []
+    for name in names:
+        whole = next((p for p in numbered_prefixes(name) if chosen[p] == prefixes[p] > 1), None)
+        item = f"{whole}.*" if whole else name
+        if item not in items:
+            items.append(item)
+    more = f", and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def numbered_prefixes(name: str) -> list[str]:
+    """The prefixes of `name` that end in a number, shortest first: model.layers.2, ….experts.5."""
+    parts = name.split(".")
+    return [".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1]) if part.isdigit()]

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -33,7 +34,7 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from qwen2om.errors import Qwen2omError, caused_by_interrupt
-from qwen2om.runtime.standalone import RuntimeInputError
+from qwen2om.runtime.standalone import RuntimeInputError, printable
 
 
 def without_flag_metavars(params: list[Any]) -> list[Any]:
@@ -121,8 +122,19 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[..., None]]:
         yield update
 
 
+def plain(label: str, style: str, message: str) -> Text:
+    """`label: message` for the terminal, the message as it is: not read as rich markup (a `[lo, hi]`
+    in it would vanish) and with control characters escaped (names come from checkpoints and outputs)."""
+    return Text.assemble((f"{label}:", style), " ", printable(message))
+
+
+def shown(value: object) -> str:
+    """A name from a checkpoint or output directory, safe to put in a rich markup string."""
+    return escape(printable(str(value)))
+
+
 def note(message: str) -> None:
-    err.print(f"[yellow]note:[/] {message}", soft_wrap=True, highlight=False)
+    err.print(plain("note", "yellow", message), soft_wrap=True, highlight=False)
 
 
 def fmt_bytes(n: float) -> str:
@@ -212,6 +224,8 @@ def convert(
     dump_graph: Annotated[bool, typer.Option("--dump-graph", help="write each graph after each pass to "
                                              "OUT/graphs/NN_<pass>.<kind>.txt (one line per node), to diff what "
                                              "each pass did")] = False,
+    allow_unused: Annotated[bool, typer.Option("--allow-unused", help="leave out, with a warning, tensors "
+                                               "config.json does not account for (default: refuse them)")] = False,
 ) -> None:
     """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py).
 
@@ -241,6 +255,7 @@ def convert(
     with progress_bar(not as_json) as progress:
         result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,
                              workers=workers, progress=progress, log=note, dump_graphs=dump_graph,
+                             allow_unused=allow_unused,
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
@@ -291,6 +306,9 @@ def run(
     backend: Annotated[str, typer.Option(help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL (CANN) on an "
                                          "Ascend NPU with OUT/ascend/model.<kind>.om")] = "ort",
     device: Annotated[int, typer.Option(help="NPU device id (--backend acl)")] = 0,
+    check_hashes: Annotated[bool, typer.Option("--check-hashes", help="check every file of OUT against the "
+                                               "sha256 in its manifest before loading (sizes are always "
+                                               "checked)")] = False,
 ) -> None:
     """Generate text with a converted model, streaming tokens; prints prefill and decode speed."""
     from qwen2om.runtime import standalone
@@ -307,10 +325,10 @@ def run(
     if backend == "ort":  # an Ascend-target output runs on CPU through the reference kernels
         from qwen2om.kernels.ascend import cpu_runnable
 
-        with cpu_runnable(out) as view:
+        with cpu_runnable(out, check_hashes=check_hashes) as view:  # OUT's own files: the view's differ
             code = standalone.main(argv, model_dir=view)
     else:
-        code = standalone.main(argv, model_dir=out)
+        code = standalone.main(argv + ["--check-hashes"] * check_hashes, model_dir=out)
     if code:
         raise typer.Exit(code)
 
@@ -330,6 +348,9 @@ def verify(
                                                   "read; quantised weights dequantised exactly, as OUT holds them) "
                                                   "or transformers (its own from_pretrained, safetensors "
                                                   "only)")] = "exact",
+    check_hashes: Annotated[bool, typer.Option("--check-hashes/--no-check-hashes", help="check every file of OUT "
+                                               "against the sha256 in its manifest first, so what is verified "
+                                               "is what was converted")] = True,
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
     from qwen2om.verify import default_reference, tie_gap
@@ -340,7 +361,7 @@ def verify(
     reference = default_reference(out) if reference is None else reference
     with progress_bar() as progress:
         report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress,
-                            loader=reference_loader)
+                            loader=reference_loader, check_hashes=check_hashes)
     table = Table(title=f"verify {out} against {reference} ({report.dtype})")
     for col in ("prompt", "prompt tok", "steps", "max |Δlogits|", "top-1 agree", "first mismatch"):
         table.add_column(col)
@@ -514,23 +535,24 @@ def inspect(
         return
     if info["kind"] == "checkpoint":
         quantised = ", ".join(f"{n} {kind}" for kind, n in info["quantized"].items()) or "none"
-        out_console.print(f"checkpoint {path}: {info['model_type']} ({info['architecture']}), {info['layers']} layers, "
-                          f"hidden {info['hidden']}, {info['tensors']} tensors in {len(info['shards'])} shard(s); "
+        out_console.print(f"checkpoint {shown(path)}: {shown(info['model_type'])} ({info['architecture']}), "
+                          f"{info['layers']} layers, hidden {info['hidden']}, {info['tensors']} tensors in "
+                          f"{len(info['shards'])} shard(s); "
                           f"quantised weights: {quantised}")
         if info["quantized_modules"]:
             print_quantized_modules(info)
         for shard, sha in info.get("checksums", {}).items():
-            out_console.print(f"  {shard} sha256 {sha}")
+            out_console.print(f"  {shown(shard)} sha256 {sha}")
         return
     graphs = info["graphs"] if info["kind"] == "output" else {"graph": info}
     for kind, g in graphs.items():
-        out_console.print(f"[bold]{kind}[/] ({g.get('file', path)}): {g['nodes']} nodes, opset {g['opset']}, "
-                          f"IR {g['ir_version']}; top ops: "
-                          + ", ".join(f"{op} {n}" for op, n in list(g["ops"].items())[:8]))
+        out_console.print(f"[bold]{shown(kind)}[/] ({shown(g.get('file', path))}): {g['nodes']} nodes, "
+                          f"opset {g['opset']}, IR {g['ir_version']}; top ops: "
+                          + ", ".join(f"{shown(op)} {n}" for op, n in list(g["ops"].items())[:8]))
         weights = ", ".join(f"{dt} {v['count']} ({fmt_bytes(v['bytes'])})" for dt, v in g["initializers"].items())
         out_console.print(f"  initializers: {weights}")
         if g.get("external_data"):
-            data = ", ".join(f"{f} {fmt_bytes(n)}" for f, n in g["external_data"].items())
+            data = ", ".join(f"{shown(f)} {fmt_bytes(n)}" for f, n in g["external_data"].items())
             read = "read for --checksums" if "checksums" in g else "not read"
             out_console.print(f"  external data ({read}): {data}")
         if "checksums" in g:
@@ -544,7 +566,8 @@ def inspect(
             table.add_column(col, overflow="fold")
         for side in ("inputs", "outputs"):
             for row in grouped_io(g[side]):
-                table.add_row(side[:-1], row["name"], row["dtype"], row["shape"], row["role"], str(row["count"]))
+                table.add_row(side[:-1], shown(row["name"]), row["dtype"], row["shape"], shown(row["role"]),
+                              str(row["count"]))
         out_console.print(table)
     if info.get("scale_inputs"):
         first = info["scale_inputs"][0]
@@ -804,15 +827,15 @@ def main() -> None:
     from qwen2om.environment import torch_npu_without_cann
 
     if warning := torch_npu_without_cann():
-        err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+        err.print(plain("warning", "yellow", warning), highlight=False, soft_wrap=True)
     try:
         app()
     except Qwen2omError as e:
         color = "yellow" if e.label == "interrupted" else "red"
-        err.print(f"[{color}]{e.label}:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(plain(e.label, color, str(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except RuntimeInputError as e:  # the standalone runtime's own error type (it cannot import qwen2om)
-        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(plain("error", "red", str(e)), highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]", highlight=False)

@@ -72,11 +72,15 @@ def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tup
     return r.resolved(dims.max_positions), dims
 
 
-def preflight(source: Path, r: Recipe, dims: ModelDims) -> None:
+def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = False,
+              log: Callable[[str], None] = lambda m: None) -> None:
     """Refusals that need only config.json and the checkpoint's tensor table, made before anything is
     staged: the passes that raise them run after every shard is read (static_model's RoPE tables) or
     after the ONNX export (lower_int4_ascend), minutes into a large conversion. (max_seq_len against
     the model's limit is choose_recipe's.)"""
+    from qwen2om.recipe import check_capacity
+
+    check_capacity(r, dims)  # before static_model's RoPE tables and export_onnx's traced caches exist
     passes = {name for name, _ in r.pipeline}
     if "package" in passes:  # files it copies into OUT: inside the checkpoint, regular (qwen2om.confine)
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
@@ -88,13 +92,18 @@ def preflight(source: Path, r: Recipe, dims: ModelDims) -> None:
             hybrid_rope_tables(cfg, dims, 1)
         else:
             rope_tables(cfg, 1)
-    if "lower_int4_ascend" in passes:
+    if "load_checkpoint" in passes or "lower_int4_ascend" in passes:
         try:
             ckpt = Checkpoint(source)  # lazy: headers and quantisation metadata, no weights
+            if "load_checkpoint" in passes:
+                ckpt.validate_layout()  # first: a missing or misshapen tensor says more than an unused one
         except Qwen2omError:
             return  # load_checkpoint says what is wrong with it, naming its pass
         try:
-            int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=r.dtype == "fp16")
+            if "load_checkpoint" in passes:  # tensors the config leaves out: refused, or with allow_unused said
+                ckpt.check_unused(log if allow_unused else None)
+            if "lower_int4_ascend" in passes:
+                int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=r.dtype == "fp16")
         finally:
             ckpt.close()
 
@@ -124,17 +133,18 @@ def convert(
     force: bool = False, resume: bool = False, workers: int | None = None,
     progress: Callable[..., None] = no_progress,
     log: Callable[[str], None] = lambda m: None, on_step: Callable[[StepReport], None] = lambda r: None,
-    dump_graphs: bool = False,
+    dump_graphs: bool = False, allow_unused: bool = False,
 ) -> ConvertResult:
     """Convert `model` into the output directory `out`, atomically; see the module docstring.
 
     An interrupted run (Ctrl-C, SIGKILL, full disk) keeps its finished work in a staging
     directory next to `out`; the same call with `resume=True` continues it. `dump_graphs` writes
     each graph after each pass to OUT/graphs/NN_<pass>.<kind>.txt (qwen2om/graphdump.py).
+    `allow_unused`: tensors the config does not account for are logged and left out, not refused.
     """
     source = resolve_model(model)
     r, dims = choose_recipe(source, recipe, list(overrides or []))
-    preflight(source, r, dims)
+    preflight(source, r, dims, allow_unused=allow_unused, log=log)
     n_workers = choose_workers(workers, log)
     tools = tool_versions()
     key = {"model": str(model), "source": str(source), "recipe": r.to_dict(), "tools": tools}

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -27,7 +28,32 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 << 20  # safetensors itself refuses larger headers
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names `key` twice; `json.loads` alone would keep the last silently."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def strict_json(text: str | bytes) -> Any:
+    """`json.loads` refusing duplicate keys (DuplicateKey). Which of two `k_proj` entries is the real
+    one is a guess the safetensors library refuses to make, and so do we. Callers also catch
+    RecursionError: a 200k-deep `[[[...` exhausts the decoder's recursion limit."""
+    return json.loads(text, object_pairs_hook=_unique)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +82,10 @@ class Shard:
         self._fd: int | None = None
         self._lock = threading.Lock()
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would block open() forever; refuse before opening
+                raise self._bad("not a regular file (a FIFO, device or directory)")
+            size = st.st_size
             with open(self.path, "rb") as fh:
                 raw = fh.read(8)
                 if len(raw) < 8:
@@ -69,13 +98,18 @@ class Shard:
             raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         self.size, self.data_start = size, 8 + n
         try:
-            table = json.loads(self.header)
+            table = strict_json(self.header)
+        except DuplicateKey as e:
+            raise self._bad(f"the header names {e.key!r} twice") from None
+        except RecursionError:
+            raise self._bad("header nests too deeply to be a tensor table") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._bad(f"header is not valid JSON ({e})") from None
         if not isinstance(table, dict):
             raise self._bad("header is not a JSON object")
         table.pop("__metadata__", None)
         self.tensors = {name: self._entry(name, spec) for name, spec in table.items()}
+        self._check_tiling()
 
     def _bad(self, why: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: not a readable safetensors file: {why}")
@@ -99,6 +133,27 @@ class Shard:
             raise self._bad(f"tensor {name!r} ends at byte {self.data_start + end}, past the end of the file "
                             f"({self.size} bytes): truncated?")
         return TensorInfo(name, dtype, shape, self.data_start + begin, self.data_start + end)
+
+    def _check_tiling(self) -> None:
+        """The tensors, in offset order, tile the data area exactly, as the safetensors library requires:
+        an overlap lets one name read another's bytes (k_proj pointing at v_proj's), and a gap or
+        trailing bytes hold data no tensor accounts for."""
+        pos, prev = self.data_start, None
+        for info in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            if info.begin < pos:
+                assert prev is not None  # nothing starts before the data area (begin >= 0 in _entry)
+                raise self._bad(f"tensors {prev.name!r} and {info.name!r} overlap (both hold data bytes "
+                                f"{info.begin - self.data_start}–{min(pos, info.end) - self.data_start})")
+            if info.begin > pos:
+                after = f"between {prev.name!r} and" if prev else "before"
+                raise self._bad(f"{info.begin - pos} bytes {after} {info.name!r} belong to no tensor "
+                                "(safetensors data must be contiguous)")
+            pos, prev = info.end, info
+        if pos < self.size and prev is None:
+            raise self._bad(f"{self.size - pos} bytes of data, but the header lists no tensor")
+        if pos < self.size:
+            raise self._bad(f"{self.size - pos} bytes after the last tensor {prev.name!r} belong to no tensor "
+                            "(safetensors data must end with the last tensor)")
 
     def fd(self) -> int:
         with self._lock:
