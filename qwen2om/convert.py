@@ -81,6 +81,8 @@ def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = 
     from qwen2om.recipe import check_capacity
 
     check_capacity(r, dims)  # before static_model's RoPE tables and export_onnx's traced caches exist
+    if (source / "config.json").is_file():  # the manifest's stop and pad ids, written at the very end
+        generation_ids(source, read_json(source / "config.json", "config.json"), dims.vocab)
     passes = {name for name, _ in r.pipeline}
     if "package" in passes:  # files it copies into OUT: inside the checkpoint, regular (qwen2om.confine)
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
@@ -185,6 +187,27 @@ def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any
     return entries
 
 
+def generation_ids(source: Path, config: dict[str, Any], vocab: int) -> tuple[list[int], int]:
+    """EOS ids and the pad id the runtime stops on and pads with: generation_config.json's, else
+    config.json's; each an integer token id of the vocabulary, or an error naming file and key."""
+    gen, where = dict(config), dict.fromkeys(config, "config.json")
+    if (source / "generation_config.json").exists():
+        extra = read_json(confined(source, "generation_config.json"), "generation_config.json")
+        gen.update(extra)
+        where.update(dict.fromkeys(extra, "generation_config.json"))
+
+    def token(key: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+            raise CheckpointError(f"{source / where[key]}: {key} must be a token id in [0, {vocab}), got "
+                                  f"{str(value)[:80]!r}")
+        return value
+
+    eos = gen.get("eos_token_id")
+    eos_ids = sorted({token("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
+    pad = gen.get("pad_token_id")
+    return eos_ids, token("pad_token_id", pad) if pad is not None else (eos_ids or [0])[0]
+
+
 def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
                    steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
     ckpt = ws.need("checkpoint")
@@ -197,13 +220,7 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
                "inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
         for kind, (inputs, outputs) in ws.need("signatures").items()
     }
-    gen = ckpt.config
-    gen_path = source / "generation_config.json"
-    if gen_path.is_file():
-        gen = {**gen, **read_json(gen_path, "generation_config.json")}
-    eos = gen.get("eos_token_id")
-    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
-    pad = gen.get("pad_token_id")
+    eos_ids, pad = generation_ids(source, ckpt.config, dims.vocab)
     return {
         "format_version": FORMAT_VERSION,
         "tools": tools,
@@ -219,7 +236,7 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
         "runtime": {
             "capacity": int(r.max_seq_len), "batch": r.batch_size, "vocab": dims.vocab,
             "dtype": {"fp32": "float32", "fp16": "float16"}[r.dtype], "layers": dims.layers,
-            "eos_token_ids": eos_ids, "pad_token_id": int(pad if pad is not None else (eos_ids or [0])[0]),
+            "eos_token_ids": eos_ids, "pad_token_id": pad,
             "chat_format": "chatml",
             # ONNX Runtime's int4 kernel is fast only on weights it prepacked at load; float MatMuls
             # are better read straight from the mapped data file (one copy for both sessions).

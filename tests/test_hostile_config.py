@@ -367,3 +367,16 @@ def test_capacity_beyond_memory_is_refused_before_allocation(cli, ckpt, tmp_path
     text = " ".join(err.split())
     assert code == 2 and "max_seq_len=2,147,483,647: a call sees the cache and 128 new tokens" in text, text
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize(("file", "value"), [("generation_config.json", "x"), ("generation_config.json", [2, -1]),
+                                             ("config.json", 10**9), ("generation_config.json", True)])
+def test_stop_and_pad_ids_are_token_ids(cli, ckpt: Path, tmp_path: Path, file: str, value: object) -> None:
+    """eos_token_id went through int() after the whole conversion (a traceback, OUT's work thrown away);
+    it is a token id of the vocabulary, checked before any work, naming the file that set it."""
+    path = ckpt / file
+    data = json.loads(path.read_text())
+    if file == "config.json":
+        (ckpt / "generation_config.json").unlink()
+    path.write_text(json.dumps({**data, "eos_token_id": value}))
+    convert_fails(cli, ckpt, tmp_path, file, "eos_token_id must be a token id")
