@@ -5,7 +5,7 @@ Each case mutates one of them in a scratch copy and runs the command that reads 
 mutation, the command must exit 0 or 2 (never a traceback), finish within TIME_LIMIT, read nothing
 outside the scratch directory (a secret file planted beside it is the bait that mutations point
 at), change nothing outside it, and leave no `.OUT.partial` behind. QWEN2OM_FUZZ_CASES sets how
-many cases run (default 36: six per kind); a failure prints the case's seed and mutation.
+many cases run (default 60: ten per kind); a failure prints the case's seed and mutation.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-CASES = int(os.environ.get("QWEN2OM_FUZZ_CASES", "36"))
+CASES = int(os.environ.get("QWEN2OM_FUZZ_CASES", "60"))
 TIME_LIMIT = 120.0  # seconds per case; a tiny conversion takes ~5 s, a refusal well under one
 SECRET = "SECRET-7f3a9c-do-not-read"
 KINDS = ("config", "header", "index", "recipe", "manifest", "dataset")
@@ -38,7 +38,7 @@ INDEX = "model.safetensors.index.json"
 
 def hostile_values(rng: random.Random, bait: Path) -> list[Any]:
     deep: Any = 0
-    for _ in range(rng.choice((100, 5000))):
+    for _ in range(rng.choice((100, 900))):  # json.dumps itself recurses
         deep = [deep]
     return ["four", None, -1, 0, 1, 2, 10**9, 10**18, 4.7, -0.0, float("inf"), float("nan"), True, [], {},
             [1, 2], "x" * 10_000, str(bait), "../" + bait.parent.name + "/" + bait.name, "\x1b[2J", deep]
@@ -284,6 +284,7 @@ def test_fuzz(case: int, base: tuple[Path, Path], cli, tmp_path: Path) -> None:
         timer.cancel()
         WATCH.watching = None
     where = f"case {case} [{kind}] {what}\n$ qwen2om {' '.join(command)[:300]}\n{stderr[-2000:]}"
+    print(f"fuzz {case} [{kind}] {what[:80]!r}: exit {code}, {(stderr.strip().splitlines() or [''])[-1][:160]}")
     assert not expired.is_set(), f"hung past {TIME_LIMIT:.0f} s: {where}"
     assert code in (0, 2), f"exit {code}: {where}"
     assert "Traceback" not in stderr, where

@@ -82,6 +82,16 @@ def check_manifest(model_dir: Path, manifest: object) -> None:
     if not isinstance(rt, dict) or any(k not in rt for k in RUNTIME_KEYS):
         raise RuntimeInputError(f"{where}: no 'runtime' section with {', '.join(RUNTIME_KEYS)} (not written by "
                                 "qwen2om, or damaged: convert again)")
+
+    def count(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    bad = [k for k in ("capacity", "batch", "vocab", "pad_token_id", "layers") if k in rt and not count(rt[k])]
+    bad += ["dtype"] * (rt["dtype"] not in ("float32", "float16"))
+    ids = rt.get("eos_token_ids", [])
+    bad += ["eos_token_ids"] * (not isinstance(ids, list) or not all(count(i) for i in ids))
+    if bad or not rt["batch"] or not rt["capacity"]:
+        raise RuntimeInputError(f"{where}: runtime {', '.join(bad) or 'capacity/batch'} damaged (convert again)")
     if not isinstance(graphs, dict) or not graphs or not all(
             isinstance(g, dict) and isinstance(g.get("file"), str) and isinstance(g.get("inputs"), list)
             and isinstance(g.get("outputs"), list) for g in graphs.values()):
