@@ -7,10 +7,14 @@ from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
+from qwen2om.checkpoint import TOKENIZER_FILES
 from qwen2om.confine import confined
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# Every tokenizer file a Hugging Face checkpoint may carry (qwen2om.checkpoint.TOKENIZER_FILES) is copied into
+# OUT when present: run.py renders the chat template from chat_template.jinja / tokenizer_config.json
+# (chat_template.json: a processor's), and transformers loads OUT as a tokenizer directory. convert's
+# preflight checks the same names.
 CONFIG_FILES = ("config.json", "generation_config.json")
 
 

@@ -30,7 +30,11 @@ SCAN_BLOCK = 16 << 20
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-SIDE_FILES = (INDEX_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# Every tokenizer and chat-template file a published checkpoint may carry: copied into OUT (package) and
+# beside calibrated weights, and hashed in the manifest as files the conversion read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+SIDE_FILES = (INDEX_FILE, "generation_config.json", *TOKENIZER_FILES)
 # Parts of a checkpoint that are never converted, whatever the architecture: multi-token-prediction
 # heads (Qwen3-Next and Qwen3.5 publish them as `mtp.*`).
 NOT_CONVERTED = ("mtp.",)

@@ -12,14 +12,14 @@ from typing import Any
 import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
-from qwen2om.checkpoint import Checkpoint, read_json
+from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint, read_json
 from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, Qwen2omError, RecipeError
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
 from qwen2om.passes.lower_int4_ascend import int4_form
-from qwen2om.passes.package import CONFIG_FILES, TOKENIZER_FILES
+from qwen2om.passes.package import CONFIG_FILES
 from qwen2om.passes.write_onnx import graph_file
 from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
 from qwen2om.recipe import DTYPES, TARGETS, Recipe, apply_overrides, load_recipe

@@ -30,16 +30,14 @@ import hashlib
 import json
 import os
 import re
-import signal
 import stat
 import sysconfig
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from qwen2om.errors import Qwen2omError
+from qwen2om.runtime.standalone import TEMPLATE_SECONDS, ChatTemplate, RuntimeInputError
 
 ZH_MAN = Path("/usr/share/man/zh_CN")
 
@@ -213,52 +211,6 @@ def jsonl_docs(path: Path, f: BinaryIO) -> Iterator[str | list[dict[str, str]]]:
                                "(a list of {role, content})")
 
 
-# -- chat templates ------------------------------------------------------------------------------
-TEMPLATE_SECONDS = 10.0  # the most one conversation may take to render; a checkpoint's template is untrusted
-
-
-class TemplateTimeout(BaseException):
-    """Raised by the alarm inside a template's render. A BaseException, so that no `except Exception`
-    in jinja2 or transformers on the way out turns it into something else."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise TemplateTimeout in the block after `seconds` of wall time (main thread only).
-
-    Jinja compiles a template to Python loops whose bodies may call nothing (`{% for %}x{% endfor %}`),
-    so the sandbox's call/attribute hooks cannot be relied on to see a runaway loop; a SIGALRM
-    handler runs between any two bytecodes of it. Signals reach only the main thread (where the CLI
-    renders), so elsewhere, and where there is no setitimer (Windows), the render runs unlimited.
-    An outer alarm (pytest-timeout's, say) is put back afterwards with what was left of it."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum: int, frame: object) -> None:
-        raise TemplateTimeout
-
-    old_handler = signal.signal(signal.SIGALRM, expire) or signal.SIG_DFL  # None: set outside Python
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    began = time.monotonic()
-    try:
-        yield
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:  # still restored if the alarm fires on the line above (it fires once)
-            signal.signal(signal.SIGALRM, old_handler)
-            if old_delay:
-                signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - began), 1e-3),
-                                 old_interval)
-
-
-def printable(text: str, limit: int = 200) -> str:
-    """A template's own message on one line, without terminal escapes, cut to `limit` characters."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return shown + ("…" if len(text) > limit else "")
-
-
 # -- assembly ------------------------------------------------------------------------------------
 class Encoder:
     """The model's own tokenizer and chat template."""
@@ -272,47 +224,26 @@ class Encoder:
         self.tok = Tokenizer.from_file(str(path))
         self.model_dir = Path(model_dir)
         self.eos = self.tok.token_to_id("<|endoftext|>")
-        self._chat: Any = None
+        self._chat: ChatTemplate | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    @property
-    def template_file(self) -> Path:
-        """Where transformers takes the chat template from: chat_template.jinja wins over tokenizer_config.json."""
-        jinja = self.model_dir / "chat_template.jinja"
-        return jinja if jinja.is_file() else self.model_dir / "tokenizer_config.json"
-
     def chat(self, messages: list[dict[str, str]]) -> str:
-        """One conversation rendered with the checkpoint's template, under TEMPLATE_SECONDS; whatever the
-        template does wrong (a syntax error, raise_exception, a runaway loop) is a DatasetError naming it."""
-        if self._chat is None:
-            from transformers import AutoTokenizer
-
-            try:
-                self._chat = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as e:  # untrusted tokenizer files: any failure is the input's
-                raise DatasetError(f"{self.model_dir}: cannot load the tokenizer for the chat template "
-                                   f"({type(e).__name__}: {printable(str(e))})") from None
-            if not getattr(self._chat, "chat_template", None):
-                raise DatasetError(f"{self.model_dir}: the tokenizer has no chat template for \"messages\" records")
-        import jinja2
-
-        where = self.template_file
+        """One whole conversation (no generation prompt) rendered with the checkpoint's template by run.py's
+        own renderer (ChatTemplate), so that calibration and evaluation see the text `run --chat` feeds the
+        model; under TEMPLATE_SECONDS (this module's, read at each call). Whatever the template does wrong
+        (a syntax error, raise_exception, a runaway loop) is a DatasetError naming its file."""
         try:
-            with time_limit(TEMPLATE_SECONDS):
-                return str(self._chat.apply_chat_template(messages, tokenize=False))
-        except TemplateTimeout:
-            raise DatasetError(f"{where}: the chat template did not finish rendering one conversation in "
-                               f"{TEMPLATE_SECONDS:g} s") from None
-        except jinja2.TemplateSyntaxError as e:
-            raise DatasetError(f"{where}: the chat template has a syntax error (template line {e.lineno}: "
-                               f"{printable(e.message or '')})") from None
-        except jinja2.TemplateError as e:  # raise_exception(...) in the template, undefined names, sandbox refusals
-            raise DatasetError(f"{where}: the chat template failed: {printable(str(e))}") from None
-        except Exception as e:  # anything else the template's own code raised (1/0, recursion, memory)
-            raise DatasetError(f"{where}: the chat template failed ({type(e).__name__}: "
-                               f"{printable(str(e))})") from None
+            if self._chat is None:
+                template = ChatTemplate.load(self.model_dir)
+                if template.file is None:  # a record's format would be a guess: ChatML is run's fallback only
+                    raise DatasetError(f"{self.model_dir}: no chat template (chat_template.jinja or "
+                                       "tokenizer_config.json's chat_template) for \"messages\" records")
+                self._chat = template
+            return self._chat.render(messages, add_generation_prompt=False, seconds=TEMPLATE_SECONDS)
+        except RuntimeInputError as e:  # ChatTemplateError, a message that is not an object, jinja2 missing
+            raise DatasetError(str(e)) from None
 
 
 Document = str | list[dict[str, str]] | Iterator[str]  # text, a conversation, or text read from a file

@@ -31,7 +31,7 @@ import torch
 
 from qwen2om.arch import LM_HEAD, float_linears, quantizable
 from qwen2om.builtin import resolve_model
-from qwen2om.checkpoint import Checkpoint
+from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint
 from qwen2om.confine import confined
 from qwen2om.datasets import check_source, windows
 from qwen2om.errors import Qwen2omError
@@ -62,7 +62,7 @@ AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self
               ("self_attn.v_proj", ("self_attn.o_proj",)),
               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
               ("mlp.up_proj", ("mlp.down_proj",)))
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
+COPY_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
 class CalibrationError(Qwen2omError):

@@ -16,21 +16,31 @@ NPU (`--backend acl`) with the ATC-compiled `OUT/ascend/model.<kind>.om`, the KV
 scale inputs kept in device memory and the new K/V appended device to device. pyACL (`acl`,
 from CANN) is imported only when that backend is chosen.
 
+`--chat` renders the conversation with the checkpoint's own chat template (OUT/chat_template.jinja or
+tokenizer_config.json's), as transformers' apply_chat_template does, in a Jinja sandbox (jinja2 is
+imported only then); a directory without one gets ChatML.
+
     python OUT/run.py --prompt "Hello" --max-new-tokens 32 --greedy
     python OUT/run.py --prompt "Hello" --backend acl --device 0
+    python OUT/run.py --messages chat.json --tools tools.json --no-thinking --print-prompt
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import signal
 import stat
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,8 +48,9 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-CHATML_USER = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-CHATML_SYSTEM = "<|im_start|>system\n{system}<|im_end|>\n"
+# The chat format of a directory without a chat template (Qwen's own, ChatML): one turn per message.
+CHATML_TURN = "<|im_start|>{role}\n{content}<|im_end|>\n"
+CHATML_ASSISTANT = "<|im_start|>assistant\n"
 
 
 class RuntimeInputError(ValueError):
@@ -666,6 +677,311 @@ def open_acl(model_dir: Path, specs: dict, scales: dict[str, np.ndarray],
     return graphs, dev.close
 
 
+# -- chat templates ------------------------------------------------------------------------------
+# A checkpoint's chat template is rendered as transformers' apply_chat_template renders it (same
+# sandbox, filters, globals and message preparation), so `--chat` feeds the model the text it was
+# trained on. It is untrusted code: sandboxed, and cut off after TEMPLATE_SECONDS.
+TEMPLATE_SECONDS = 10.0  # the most one conversation may take to render
+# The named special tokens transformers passes to every template (those that are set).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning comes under; transformers copies the first set one to `reasoning_content`
+# (what Qwen templates read) and `thinking`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Jinja before 3.1.6 has known sandbox escapes; transformers refuses it for the same reason.
+JINJA_MIN = (3, 1, 6)
+
+
+class ChatTemplateError(RuntimeInputError):
+    """A chat template that cannot be read, does not parse, raises or runs too long (its file named)."""
+
+
+class TemplateTimeout(BaseException):
+    """Raised by the alarm inside a template's render. A BaseException, so that no `except Exception`
+    in jinja2 on the way out turns it into something else."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TemplateTimeout in the block after `seconds` of wall time (main thread only).
+
+    Jinja compiles a template to Python loops whose bodies may call nothing (`{% for %}x{% endfor %}`),
+    so the sandbox's call/attribute hooks cannot be relied on to see a runaway loop; a SIGALRM
+    handler runs between any two bytecodes of it. Signals reach only the main thread (where the CLI
+    renders), so elsewhere, and where there is no setitimer (Windows), the render runs unlimited.
+    An outer alarm (pytest-timeout's, say) is put back afterwards with what was left of it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TemplateTimeout
+
+    old_handler = signal.signal(signal.SIGALRM, expire) or signal.SIG_DFL  # None: set outside Python
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # still restored if the alarm fires on the line above (it fires once)
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_delay:
+                signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - began), 1e-3),
+                                 old_interval)
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A template's own message on one line, without terminal escapes, cut to `limit` characters."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("…" if len(text) > limit else "")
+
+
+@functools.lru_cache(maxsize=1)
+def chat_sandbox() -> Any:
+    """The Jinja environment transformers renders chat templates in: immutable sandbox, trim_blocks and
+    lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, its own `tojson`, `dict` and
+    `namespace`, and `{% generation %}` blocks (rendered as their body). jinja2 is imported only here:
+    run.py without --chat, or on a directory without a template, does not need it."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.nodes
+        import jinja2.utils
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise RuntimeInputError("rendering the model's chat template needs jinja2: pip install 'jinja2>=3.1.6'"
+                                ) from None
+    have = tuple(int(x) for x in jinja2.__version__.split(".")[:3] if x.isdigit())
+    if have < JINJA_MIN:
+        raise RuntimeInputError(f"jinja2 {jinja2.__version__} has known sandbox escapes and a chat template is "
+                                "untrusted code: pip install 'jinja2>=3.1.6'")
+
+    class Generation(jinja2.ext.Extension):
+        """transformers' `{% generation %}` tag marks assistant text for its masks; the text is its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Not jinja2's own tojson, which escapes <, >, & and ' for HTML: templates are written against this.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    class TemplateDict:
+        """`dict(...)` for templates without the type itself (no attribute route to its internals)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """`namespace(...)` that refuses underscore names, as transformers' does (no route to dunders)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's own signature trick: `namespace(self=...)` works
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace.check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace.check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def check_name(name: object) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    return env
+
+
+def plain(value: Any) -> Any:
+    """`value` rebuilt from plain JSON types, as transformers hands a template its inputs: subclasses of
+    str/int/float lose their extra methods, anything else becomes a placeholder naming its type."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, np.generic):  # np.bool_(False) would otherwise be a truthy placeholder
+        return plain(value.item())
+    return f"<{type(value).__name__}>"
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as transformers gives them to a template: keys whose value is None dropped (an API's
+    `content: null` beside tool_calls), plain data, and the reasoning copied to `reasoning_content`
+    and `thinking` from whichever of REASONING_FIELDS is set."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RuntimeInputError(f"message {i} is {type(m).__name__}, not an object with a role and content")
+        m = plain({k: v for k, v in m.items() if v is not None})
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text for ChatML: a string as it is, text parts joined, nothing as ''."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
+
+
+def read_template_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ChatTemplateError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ChatTemplateError(f"{path}: not valid JSON ({one_line(str(e))})") from None
+    if not isinstance(data, dict):
+        raise ChatTemplateError(f"{path}: not a JSON object")
+    return data
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def named_templates(path: Path, value: Any) -> str | dict[str, str]:
+    """A `chat_template` entry: one template, or several as [{name, template}] (or a {name: template} map)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    raise ChatTemplateError(f"{path}: chat_template must be a string or a list of {{name, template}} objects")
+
+
+@dataclasses.dataclass
+class ChatTemplate:
+    """A model directory's chat template (`source`, read from `file`) and the special tokens it is rendered
+    with; `file` None: the directory has none, and conversations are formatted as ChatML."""
+
+    file: Path | None
+    source: str | dict[str, str] | None
+    special_tokens: dict[str, str]
+    compiled: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> ChatTemplate:
+        """Where transformers' AutoTokenizer takes the template from: chat_template.jinja, else
+        tokenizer_config.json's `chat_template`; then (a processor's file, e.g. Qwen2-VL's)
+        chat_template.json. Special tokens from tokenizer_config.json, and from special_tokens_map.json
+        where transformers still reads that legacy file (a config without added_tokens_decoder)."""
+        root = Path(model_dir)
+        config_path = root / "tokenizer_config.json"
+        config = read_template_json(config_path) if config_path.is_file() else {}
+        sources = [config]
+        legacy = root / "special_tokens_map.json"
+        if "added_tokens_decoder" not in config and legacy.is_file():
+            sources.append(read_template_json(legacy))
+        special = {k: t for src in sources for k in SPECIAL_TOKEN_NAMES if (t := token_text(src.get(k))) is not None}
+        jinja = root / "chat_template.jinja"
+        if jinja.is_file():
+            try:
+                return cls(jinja, jinja.read_text(encoding="utf-8"), special)
+            except (OSError, UnicodeDecodeError) as e:
+                raise ChatTemplateError(f"{jinja}: cannot read the chat template ({one_line(str(e))})") from None
+        if config.get("chat_template") is not None:
+            return cls(config_path, named_templates(config_path, config["chat_template"]), special)
+        processor = root / "chat_template.json"
+        if processor.is_file():
+            data = read_template_json(processor)
+            if data.get("chat_template") is not None:
+                return cls(processor, named_templates(processor, data["chat_template"]), special)
+        return cls(None, None, special)
+
+    def pick(self, tools: Any) -> tuple[str, str]:
+        """(name, text) of the template to render: with several, `tool_use` when tools are given and it
+        exists, else `default` (transformers' choice)."""
+        assert self.source is not None
+        if isinstance(self.source, str):
+            return "", self.source
+        for name in (("tool_use",) if tools is not None else ()) + ("default",):
+            if name in self.source:
+                return name, self.source[name]
+        raise ChatTemplateError(f"{self.file}: several chat templates ({', '.join(sorted(self.source))}) and none "
+                                "named 'default'")
+
+    def render(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None, seconds: float = TEMPLATE_SECONDS) -> str:
+        """The conversation as the model reads it. `enable_thinking` None leaves the template's default;
+        any failure of the template (syntax, raise_exception, a runaway loop, a Python error inside it)
+        is a ChatTemplateError naming the template file."""
+        chat = template_messages(messages)
+        if self.source is None:
+            return "".join(CHATML_TURN.format(role=m.get("role", ""), content=content_text(m.get("content")))
+                           for m in chat) + (CHATML_ASSISTANT if add_generation_prompt else "")
+        name, text = self.pick(tools)
+        where = f"{self.file}" + (f" (template {name!r})" if name else "")
+        env = chat_sandbox()
+        import jinja2  # chat_sandbox found it
+
+        extra: dict[str, Any] = {**self.special_tokens}
+        if enable_thinking is not None:  # unset, a template's `enable_thinking is defined` test stays false
+            extra["enable_thinking"] = enable_thinking
+        try:
+            with time_limit(seconds):
+                if name not in self.compiled:
+                    self.compiled[name] = env.from_string(text)
+                return str(self.compiled[name].render(messages=chat, tools=plain(tools), documents=None,
+                                                      add_generation_prompt=add_generation_prompt, **extra))
+        except TemplateTimeout:
+            raise ChatTemplateError(f"{where}: the chat template did not finish rendering one conversation in "
+                                    f"{seconds:g} s") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"{where}: the chat template has a syntax error (template line {e.lineno}: "
+                                    f"{one_line(e.message or '')})") from None
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template, undefined names, sandbox refusals
+            raise ChatTemplateError(f"{where}: the chat template failed: {one_line(str(e))}") from None
+        except Exception as e:  # anything else the template's own code raised (1/0, recursion, memory)
+            raise ChatTemplateError(f"{where}: the chat template failed ({type(e).__name__}: "
+                                    f"{one_line(str(e))})") from None
+
+
 class Engine:
     """A compiled qwen2om model with its KV cache, tokenizer and generation loop.
 
@@ -841,9 +1157,17 @@ class Engine:
             raise RuntimeInputError(f"token ids outside the vocabulary [0, {self.vocab}): {bad[:8]}")
 
     # -- text -------------------------------------------------------------------------------
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        """The directory's chat template, read on first use: a run without --chat never parses it."""
+        return ChatTemplate.load(self.dir)
+
     def encode(self, prompt: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """`prompt`'s ids; with `chat`, a one-turn conversation (after `system`, if given) rendered with
+        the model's chat template, ready for the assistant's answer."""
         if chat:
-            prompt = (CHATML_SYSTEM.format(system=system) if system else "") + CHATML_USER.format(prompt=prompt)
+            messages = [{"role": "system", "content": system}] * (system is not None)
+            prompt = self.chat_template.render([*messages, {"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt, add_special_tokens=False).ids
 
     def fit(self, ids: list[int], max_new_tokens: int, truncate: bool) -> list[int]:
@@ -900,12 +1224,73 @@ class TextStream:
         self.printed = len(text)
 
 
+def read_json_list(path: Path, flag: str) -> list[dict[str, Any]]:
+    """The JSON list of objects in `path` (--messages, --tools), or a RuntimeInputError naming the flag and file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RuntimeInputError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise RuntimeInputError(f"{flag} {path}: not valid JSON ({one_line(str(e))})") from None
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        raise RuntimeInputError(f"{flag} {path}: give a JSON list of objects")
+    return data
+
+
+def conversation(prompt: str | None, system: str | None, history: list[dict[str, Any]] | None,
+                 where: str = "--messages") -> list[dict[str, Any]]:
+    """The messages to render: `system` first, then `history`, then `prompt` as a user turn (given, or
+    "Hello" when there is no history)."""
+    messages = list(history or [])
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise RuntimeInputError(f"{where}: message {i} has no \"role\" string")
+    if system is not None:
+        if messages and messages[0]["role"] == "system":
+            raise RuntimeInputError(f"--system and a system message first in {where}: give one of them")
+        messages.insert(0, {"role": "system", "content": system})
+    if prompt is not None or history is None:
+        messages.append({"role": "user", "content": "Hello" if prompt is None else prompt})
+    if not messages:
+        raise RuntimeInputError(f"{where} holds no messages: give at least one, or a --prompt")
+    return messages
+
+
+def chat_prompt(model_dir: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                enable_thinking: bool | None, note: Callable[[str], None]) -> str:
+    """The conversation rendered with `model_dir`'s chat template; without one, ChatML, and `note` says so."""
+    template = ChatTemplate.load(model_dir)
+    if template.file is None:
+        unused = " (--tools and --enable-thinking/--no-thinking need a template: not applied)" * (
+            tools is not None or enable_thinking is not None)
+        note(f"note: {model_dir} has no chat template (chat_template.jinja or tokenizer_config.json's "
+             f"chat_template): formatting the conversation as ChatML{unused}")
+    return template.render(messages, tools=tools, enable_thinking=enable_thinking)
+
+
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default="Hello", help="text to continue (default: %(default)s)")
+    # None, not "Hello": with --messages, a --prompt given is one more user turn, and none is added otherwise.
+    p.add_argument("--prompt", default=None, help="text to continue (default: Hello)")
     p.add_argument("--ids", default=None, help="comma-separated token ids instead of --prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the ChatML chat format")
+    p.add_argument("--chat", action="store_true",
+                   help="format the prompt as a user turn with the model's chat template (ChatML if it has none)")
     p.add_argument("--system", default=None, help="system message (implies --chat)")
+    p.add_argument("--messages", type=Path, default=None,
+                   help="a JSON file: the conversation so far, a list of {role, content, ...} (tool_calls, role "
+                        "tool, reasoning_content as the template reads them); --prompt, if given, is one more user "
+                        "turn (implies --chat)")
+    p.add_argument("--tools", type=Path, default=None,
+                   help="a JSON file: a list of OpenAI-style tool schemas for the chat template (implies --chat)")
+    thinking = p.add_mutually_exclusive_group()
+    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None,
+                          help="pass enable_thinking=true to the chat template (implies --chat)")
+    thinking.add_argument("--no-thinking", dest="enable_thinking", action="store_false", default=None,
+                          help="pass enable_thinking=false: Qwen3 templates then open an empty think block "
+                               "(implies --chat); neither flag: the template's default")
+    p.add_argument("--print-prompt", action="store_true",
+                   help="print the prompt text as the model would read it (the rendered chat template) and exit "
+                        "without loading the model")
     p.add_argument("--greedy", action="store_true", help="deterministic greedy decoding (= --temperature 0)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=20)
@@ -939,14 +1324,31 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     except ValueError:
         print(f"error: --ids {a.ids!r}: give comma-separated integer token ids, e.g. --ids 9707,11", file=sys.stderr)
         return 2
-    engine = None
+    if a.print_prompt and ids is not None:
+        print("error: --print-prompt shows the prompt text; --ids gives token ids, not text", file=sys.stderr)
+        return 2
+    # A system message, tools, a history or a thinking switch exist only in the chat format: each implies --chat.
+    chat = a.chat or any(v is not None for v in (a.system, a.messages, a.tools, a.enable_thinking))
+    directory = Path(model_dir or a.model_dir)
+    engine, text = None, None
     try:
         sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)  # before a slow load
-        engine = Engine(model_dir or a.model_dir, threads=a.threads, backend=a.backend, device=a.device,
+        if ids is None:  # rendered before the model loads: a bad --messages file or template fails in a second
+            if chat:
+                history = None if a.messages is None else read_json_list(a.messages, "--messages")
+                tools = None if a.tools is None else read_json_list(a.tools, "--tools")
+                messages = conversation(a.prompt, a.system, history, f"--messages {a.messages}")
+                text = chat_prompt(directory, messages, tools, a.enable_thinking,
+                                   lambda s: print(s, file=sys.stderr))
+            else:
+                text = "Hello" if a.prompt is None else a.prompt
+        if a.print_prompt:
+            sys.stdout.write(text or "")
+            sys.stdout.flush()
+            return 0
+        engine = Engine(directory, threads=a.threads, backend=a.backend, device=a.device,
                         check_hashes=a.check_hashes)
-        # A system message only exists in the chat format: --system implies --chat.
-        ids = ids if ids is not None else engine.encode(a.prompt, chat=a.chat or a.system is not None,
-                                                        system=a.system)
+        ids = ids if ids is not None else engine.encode(text or "")
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
         out, stats = engine.generate(ids, max_new_tokens=a.max_new_tokens, sampling=sampling,
@@ -959,7 +1361,7 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
         if engine is not None:
             engine.close()
     if a.json:
-        print(json.dumps({"prompt_ids": ids, "tokens": out, "text": engine.tokenizer.decode(out),
+        print(json.dumps({"prompt": text, "prompt_ids": ids, "tokens": out, "text": engine.tokenizer.decode(out),
                           "stats": dataclasses.asdict(stats)}))
     else:
         print(f"\n[{stats.line()}]", file=sys.stderr)
