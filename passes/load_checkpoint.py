@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from qwen2om.checkpoint import Checkpoint
-from qwen2om.errors import CheckpointError, RecipeError
+from qwen2om.checkpoint import Checkpoint, check_tokenizer_sources
+from qwen2om.errors import RecipeError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 
@@ -25,8 +25,7 @@ class LoadCheckpoint:
                 f"but {ctx.model or ctx.source} is {ckpt.arch.name!r}"
             )
         expected = ckpt.validate_layout()
-        if not (ckpt.root / "tokenizer.json").is_file():
-            raise CheckpointError(f"{ckpt.root}: no tokenizer.json; the runtime needs it to encode prompts")
+        check_tokenizer_sources(ckpt.root)  # package builds tokenizer.json from vocab + merges when needed
         for part, n in ckpt.ignored.items():
             ctx.log(f"ignoring {n} tensors under {part}.* (not part of the text model qwen2om converts)")
         ws["checkpoint"] = ckpt

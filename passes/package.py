@@ -7,8 +7,9 @@ from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
-from qwen2om.checkpoint import TOKENIZER_FILES
+from qwen2om.checkpoint import TOKENIZER_FILES, check_tokenizer_sources
 from qwen2om.confine import confined
+from qwen2om.errors import CheckpointError
 from qwen2om.pipeline import PassResult, RunContext, Workspace, register
 
 # Every tokenizer file a Hugging Face checkpoint may carry (qwen2om.checkpoint.TOKENIZER_FILES) is copied into
@@ -32,6 +33,23 @@ def graph_summary(kind: str, model: object) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fast_tokenizer(source: Path, stage: Path) -> Path:
+    """tokenizer.json for a checkpoint that ships only the slow tokenizer's vocab.json + merges.txt (older
+    Qwen2 uploads, some fine-tunes): run.py reads tokenizers' format only. transformers builds it from
+    those files and tokenizer_config.json's added tokens, as its own fast loader does."""
+    check_tokenizer_sources(source)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), use_fast=True)
+        path = stage / "tokenizer.json"
+        tokenizer.backend_tokenizer.save(str(path))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{source}: cannot build tokenizer.json from vocab.json + merges.txt "
+                              f"({' '.join(str(e).split())[:200]})") from None
+    return path
+
+
 @register
 class Package:
     """Write tokenizer and config files, the standalone run.py, and graphs/summary.txt."""
@@ -47,6 +65,8 @@ class Package:
             if (ckpt.root / name).exists() or (ckpt.root / name).is_symlink():
                 shutil.copyfile(confined(ckpt.root, name), stage / name)
                 written.append(stage / name)
+        if not (stage / "tokenizer.json").exists():
+            written.append(fast_tokenizer(ckpt.root, stage))
         from qwen2om.runtime import standalone
 
         run_py = stage / "run.py"

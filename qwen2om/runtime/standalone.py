@@ -218,6 +218,24 @@ class GraphCall(Protocol):
         ...
 
 
+# When neither the command line nor the checkpoint's generation_config.json says (Qwen's model cards
+# recommend about these for non-thinking chat).
+SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling settings the checkpoint publishes (manifest `runtime.sampling`, from its
+    generation_config.json), over qwen2om's own defaults; a damaged entry is left to Engine to name."""
+    try:
+        published = json.loads((Path(model_dir) / "manifest.json").read_text(encoding="utf-8"))["runtime"]["sampling"]
+    except (OSError, ValueError, KeyError, TypeError):
+        published = {}
+    if not isinstance(published, dict):
+        published = {}
+    return {k: v for k, v in {**SAMPLING_DEFAULTS, **published}.items()
+            if k in SAMPLING_DEFAULTS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 @dataclasses.dataclass
 class Sampling:
     """Greedy when temperature is 0; otherwise temperature / top-k / top-p sampling, seeded."""
@@ -1292,9 +1310,14 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="print the prompt text as the model would read it (the rendered chat template) and exit "
                         "without loading the model")
     p.add_argument("--greedy", action="store_true", help="deterministic greedy decoding (= --temperature 0)")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0 = greedy; default: the checkpoint's generation_config.json, else "
+                        f"{SAMPLING_DEFAULTS['temperature']})")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"sample from the k most likely tokens (default: the checkpoint's, else "
+                        f"{SAMPLING_DEFAULTS['top_k']})")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus sampling mass (default: the checkpoint's, else {SAMPLING_DEFAULTS['top_p']})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--truncate", action="store_true", help="drop the oldest prompt tokens when it does not fit")
     p.add_argument("--threads", type=int, default=0,
@@ -1332,7 +1355,10 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     directory = Path(model_dir or a.model_dir)
     engine, text = None, None
     try:
-        sampling = Sampling(0.0 if a.greedy else a.temperature, a.top_k, a.top_p, a.seed)  # before a slow load
+        given = {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}
+        chosen = {**sampling_defaults(directory), **{k: v for k, v in given.items() if v is not None}}
+        sampling = Sampling(0.0 if a.greedy else float(chosen["temperature"]), int(chosen["top_k"]),
+                            float(chosen["top_p"]), a.seed)  # checked before a slow load
         if ids is None:  # rendered before the model loads: a bad --messages file or template fails in a second
             if chat:
                 history = None if a.messages is None else read_json_list(a.messages, "--messages")
@@ -1362,7 +1388,7 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
             engine.close()
     if a.json:
         print(json.dumps({"prompt": text, "prompt_ids": ids, "tokens": out, "text": engine.tokenizer.decode(out),
-                          "stats": dataclasses.asdict(stats)}))
+                          "sampling": dataclasses.asdict(sampling), "stats": dataclasses.asdict(stats)}))
     else:
         print(f"\n[{stats.line()}]", file=sys.stderr)
     return 0
