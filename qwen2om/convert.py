@@ -90,6 +90,7 @@ def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = 
             if (source / name).exists() or (source / name).is_symlink():
                 confined(source, name)
         check_tokenizer_sources(source)
+        chat_format(source)  # a template file that cannot be read is named now, not after the export
     if "static_model" in passes:  # a one-row table: the same refusals, none of the work
         cfg = read_json(source / "config.json", "config.json")
         if resolve_arch(cfg, str(source / "config.json")).hybrid:
@@ -189,6 +190,14 @@ def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any
     return entries
 
 
+def chat_format(source: Path) -> str:
+    """The file the checkpoint's chat template comes from (as transformers picks it), or "chatml"."""
+    from qwen2om.runtime.standalone import ChatTemplate
+
+    template = ChatTemplate.load(source)
+    return template.file.name if template.file is not None else "chatml"
+
+
 def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
                    steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
     ckpt = ws.need("checkpoint")
@@ -219,7 +228,8 @@ def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Wor
             "dtype": {"fp32": "float32", "fp16": "float16"}[r.dtype], "layers": dims.layers,
             "eos_token_ids": generation.eos_ids, "pad_token_id": generation.pad_id,
             **({"sampling": generation.sampling} if generation.sampling else {}),
-            "chat_format": "chatml",
+            # where run.py takes its chat format from: a checkpoint's template file, or plain ChatML
+            "chat_format": chat_format(source),
             # ONNX Runtime's int4 kernel is fast only on weights it prepacked at load; float MatMuls
             # are better read straight from the mapped data file (one copy for both sessions).
             "prepack_weights": any(s.name == "lower_int4" and s.stats.get("lowered") for s in steps),

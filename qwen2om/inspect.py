@@ -48,7 +48,12 @@ def onnx_summary(path: Path, checksums: bool = False,
 
 
 def inspect_output(root: Path, checksums: bool = False) -> dict[str, Any]:
+    from qwen2om.runtime.standalone import check_files
+
     manifest = read_manifest(root)
+    # OUT as the manifest recorded it: sizes always, and with --checksums each file's sha256 too (a
+    # file changed in place at the same size is named, as `run --check-hashes` does)
+    check_files(root, manifest, hashes=checksums)
     graphs = {}
     cache: dict[tuple[str, int, int], str] = {}  # decode and prefill share their weights: hash each once
     for kind, spec in manifest["graphs"].items():

@@ -115,6 +115,8 @@ def test_check_hashes_finds_a_file_changed_at_the_same_size(cli, out: Path) -> N
     assert code == 2 and data.name in err and "sha256" in err, err
     code, _, err = cli("verify", out, "--tokens", "1")
     assert code == 2 and data.name in err and "sha256" in err, err
+    code, _, err = cli("inspect", out, "--checksums")
+    assert code == 2 and data.name in err and "sha256" in err, err
 
 
 @pytest.mark.parametrize(("change", "needle"), [
