@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen2om.errors import OutputExistsError, Qwen2omError
+from qwen2om.runtime.standalone import sha256_of as sha256_file  # one hasher: run.py checks what this wrote
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -168,14 +168,6 @@ def staged_output(out: Path, *, force: bool, resume: bool = False, marker: str =
     finally:
         os.close(lock)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_entries(root: Path, paths: list[Path], workers: int = 1) -> list[dict[str, Any]]:
