@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -426,11 +427,17 @@ def test_output_directories_are_confined(cli, converted, tmp_path) -> None:
         if entry.key == "location":
             entry.value = "../secret.bin"
     onnx.save(graph, str(out / "model.decode.onnx"))
+    # An attacker edits the manifest too, so that its sizes and hashes (checked first) match the graph.
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = next(f for f in manifest["files"] if f["name"] == "model.decode.onnx")
+    entry["bytes"] = (out / "model.decode.onnx").stat().st_size
+    entry["sha256"] = hashlib.sha256((out / "model.decode.onnx").read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
     for args in (("inspect", out, "--checksums"), ("inspect", out / "model.decode.onnx")):
         code, stdout, err = cli(*args)
         assert code == 2 and "outside its directory" in err and "'../secret.bin'" in err, (args, err)
     shutil.copyfile(converted("tiny-qwen3", "fp32") / "model.decode.onnx", out / "model.decode.onnx")
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((converted("tiny-qwen3", "fp32") / "manifest.json").read_text())
     manifest["graphs"]["decode"]["file"] = str(secret)
     (out / "manifest.json").write_text(json.dumps(manifest))
     for args in (("inspect", out), ("run", out, "--prompt", "Hi", "--max-new-tokens", "1")):
