@@ -21,7 +21,9 @@ Ops (facts from CANN's ONNX parser plugins; shared/reference/ascend-atc.md):
     attrs   antiquant_group_size g (0 = per channel), dtype (-1: the output takes x's dtype)
     y = x @ ((weight + antiquant_offset) · antiquant_scale) + bias     (the offset is added: −zero point)
 
-`AscendAntiQuant` (ai.onnx domain, as the parser registers it; 310B-class W8A16):
+`AscendAntiQuant` (ai.onnx domain, as the parser registers it): no longer emitted (issue 23: scalar
+    scale/offset only, and no ND int8 kernel but Ascend950's; 310B W8A16 now dequantises with Cast + Mul).
+    Kept so outputs converted before still run on CPU:
     y = (x − offset) · scale (· scale again with sqrt_mode), x int8, scale/offset float attributes,
     dtype 0 = float32, 1 = float16. The parser negates the ONNX `offset` into GE's (x + offset) · scale,
     so in the ONNX file `offset` is the zero point.

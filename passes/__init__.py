@@ -16,6 +16,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     lower_fp8,
     lower_int4,
     lower_int4_ascend,
+    lower_topk_ascend,
     package,
     scale_inputs,
     static_model,

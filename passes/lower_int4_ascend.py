@@ -1,9 +1,9 @@
 """Lower int4-quantised linears for the Ascend target (ONNX Runtime's are `lower_int4`'s).
 
 Up to here a quantised linear is `MatMul(x, W)` with W read from the checkpoint (target-neutral).
-Which Ascend form it becomes depends on the SoC (qwen2om/ascend.py, SOCS):
+Which Ascend form it becomes depends on the SoC (qwen2om/ascend.py, SOCS, `w4a16`):
 
-- **910B / 910_93 / 310P: `npu::WeightQuantBatchMatmulV2`**, CANN's weight-only quantised matmul,
+- **910B / 910_93: `npu::WeightQuantBatchMatmulV2`**, CANN's weight-only quantised matmul,
   reached from ONNX through its parser plugin (origin type "npu::1::WeightQuantBatchMatmulV2"):
 
       Reshape(x → [M, K]) → WQBMM(x, W [K, N/8] int32, Transpose(S) [K/g, N], offset [K/g, N])
@@ -14,10 +14,16 @@ Which Ascend form it becomes depends on the SoC (qwen2om/ascend.py, SOCS):
   offset = −zero point; symmetric checkpoints have none. `antiquant_group_size` = the group.
   S is stored [N, K/g] as in the checkpoint and transposed in the graph (ATC folds the
   Transpose of a constant), so `scale_inputs` can make it the `<weight>.scale` input unchanged.
-- **310B-class SoCs: no int4 matmul.** With `weight_storage: int8` (explicit consent, see below)
-  the same int4 values are stored one per int8 byte and dequantised by `AscendAntiQuant`
-  (int8 → fp16) + per-group offset and scale + MatMul: **W8A16 storage**, twice the weight bytes
-  of int4, the same numbers. Without consent the conversion stops (Ascend310B has no W4A16).
+- **310B and 310P: no int4 matmul ONNX can reach** (310B has no WeightQuantBatchMatmulV2; 310P's
+  takes only int8 weights in FRACTAL_NZ with transpose_weight, which the parser plugin forces off).
+  With `weight_storage: int8` (explicit consent, see below) the same int4 values are stored one per
+  int8 byte and dequantised by standard ops, `Cast` (int8 → fp16, exact for int4 values) +
+  per-group offset `Add` and scale `Mul` + MatMul: **W8A16 storage**, twice the weight bytes of
+  int4, the same numbers. Without consent the conversion stops. Not `AscendAntiQuant`: it takes
+  only scalar scale/offset attributes, and its kernels are Ascend950-only (ops-nn) or, in older op
+  info, int8 in the 5-D NC1HWC0 layout only, where these weights are 2-D. Not `npu::NPUAntiQuant`
+  (AscendAntiQuantV2, tensor scales): its AI Core configs are ascend950/ascend350 only
+  (hicann/ops-nn quant/ascend_anti_quant_v2/op_host/ascend_anti_quant_v2_def.cpp).
 
 The activations must be fp16 (WeightQuantBatchMatmulV2 takes fp16/bf16 x): an fp32 graph with
 int4 weights is refused with the fix named.
@@ -51,18 +57,18 @@ def node_scope(module: str) -> str:
 
 def int4_form(quantized: Mapping[str, QuantWeight], soc_version: str, weight_storage: str, *,
               fp16: bool) -> str | None:
-    """The form int4 linears take on `soc_version`, "wqbmm" or "antiquant" (None: the checkpoint has
+    """The form int4 linears take on `soc_version`, "wqbmm" or "w8a16" (None: the checkpoint has
     none), or the refusal. Needs only the tensor table: `convert` asks it before any work too
     (qwen2om/convert.py, preflight), since this pass runs after the export."""
     if not any(q.kind == "int4" for q in quantized.values()):
         return None
-    form = "wqbmm" if soc_info(soc_version).w4a16 else "antiquant"
-    if form == "antiquant" and weight_storage != "int8":
+    form = "wqbmm" if soc_info(soc_version).w4a16 else "w8a16"
+    if form == "w8a16" and weight_storage != "int8":
         raise Qwen2omError(
-            f"{soc_version} has no int4 weight-quantised matmul (WeightQuantBatchMatmulV2 runs on 910B, "
-            "910_93 and 310P), so this W4A16 checkpoint cannot run there as int4. Rerun with "
-            "--set weight_storage=int8 to store the same int4 values as int8 and dequantise them with "
-            "AscendAntiQuant (W8A16: twice the weight memory of int4), or choose a 910B/310P --soc-version.")
+            f"{soc_version} has no int4 weight-quantised matmul an ONNX graph can reach (WeightQuantBatchMatmulV2 "
+            "with int4 weights runs on 910B and 910_93), so this W4A16 checkpoint cannot run there as int4. Rerun with "
+            "--set weight_storage=int8 to store the same int4 values as int8 and dequantise them in the graph "
+            "(W8A16: twice the weight memory of int4), or choose a 910B/910_93 --soc-version.")
     if not fp16:
         raise Qwen2omError("int4 weights on Ascend need fp16 activations (WeightQuantBatchMatmulV2 takes fp16 "
                            "x): convert with --dtype fp16")
@@ -71,7 +77,7 @@ def int4_form(quantized: Mapping[str, QuantWeight], soc_version: str, weight_sto
 
 @register
 class LowerInt4Ascend:
-    """Quantised MatMuls → npu::WeightQuantBatchMatmulV2 (W4A16) or int8 + AscendAntiQuant (W8A16, 310B)."""
+    """Quantised MatMuls → npu::WeightQuantBatchMatmulV2 (W4A16) or int8 + Cast/Add/Mul (W8A16, 310B/310P)."""
 
     name: ClassVar[str] = "lower_int4_ascend"
     requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
@@ -90,7 +96,7 @@ class LowerInt4Ascend:
             graph = model.graph
             for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Int4Weight):
                 nodes: list[ir.Node] = []
-                lower = self.wqbmm if form == "wqbmm" else self.antiquant
+                lower = self.wqbmm if form == "wqbmm" else self.w8a16
                 replace_matmul(graph, node, nodes, lower(graph, nodes, q, node.inputs[0], ckpt, weights, bindings))
                 lowered += 1
             if form == "wqbmm":
@@ -136,21 +142,24 @@ class LowerInt4Ascend:
         # Back to x's leading dims. A prefill graph exported for gears has a symbolic T among them: one
         # symbolic dim is Reshape's -1; more than one are read from x at run time.
         lead = [d if isinstance(d, int) else -1 for d in x.shape[:-1]] if x.shape is not None else [-1]
-        if lead.count(-1) > 1:
-            dims = self.op(nodes, f"{p}/Shape", "Shape", x, end=-1)
+        if lead.count(-1) > 1 and x.shape is not None:
+            # Shape + Gather, not Shape(end=-1): CANN's Shape ignores start/end and returns every dim
+            rank = len(x.shape)
+            dims = self.op(nodes, f"{p}/Gather", "Gather", self.op(nodes, f"{p}/Shape", "Shape", x),
+                           const(graph, f"shape_index{list(range(rank - 1))}", np.arange(rank - 1, dtype=np.int64)),
+                           axis=0)
             shape = self.op(nodes, f"{p}/Concat", "Concat", dims,
                             const(graph, f"shape[{q.n}]", np.array([q.n], np.int64)), axis=0)
             return self.op(nodes, f"{p}/Reshape_1", "Reshape", y, shape)
         return self.op(nodes, f"{p}/Reshape_1", "Reshape", y,
                        const(graph, f"shape{lead + [q.n]}", np.array([*lead, q.n], np.int64)))
 
-    def antiquant(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
-                  bindings: dict[str, WeightRef]) -> ir.Value:
+    def w8a16(self, graph: ir.Graph, nodes: list[ir.Node], q: Int4Weight, x: ir.Value, ckpt: Any, weights: Any,
+              bindings: dict[str, WeightRef]) -> ir.Value:
         p = node_scope(q.base)
         stored = derived_initializer(graph, bindings, weights, f"{q.base}.weight_int8", ir.DataType.INT8,
                                      [q.k, q.n], lambda q=q: q.unpacked(ckpt)[0].T.contiguous())
-        w = self.op(nodes, f"{p}/AscendAntiQuant", "AscendAntiQuant", stored, scale=1.0, offset=0.0, dtype=1,
-                    sqrt_mode=0)
+        w = self.op(nodes, f"{p}/Cast", "Cast", stored, to=ir.DataType.FLOAT16)  # exact: |int4| ≤ 8
         scale, offset = self.operands(graph, nodes, q, ckpt, weights, bindings)
         if offset is not None:
             w = self.op(nodes, f"{p}/offset/Add", "Add", w, self.per_row(graph, nodes, f"{p}/offset", offset, q))

@@ -505,6 +505,14 @@ def inspect(
                                               "reject, with the reason; exit code 1 when there is any")] = None,
     soc_version: Annotated[str | None, typer.Option("--soc-version", help="with --check ascend: also check what "
                                                     "this SoC cannot run (e.g. int4 matmuls on Ascend310B1)")] = None,
+    cann_table: Annotated[Path | None, typer.Option("--cann-table", metavar="FILE", help="with --check ascend: the "
+                                                    "table of CANN's ONNX parser registrations to check against, "
+                                                    "instead of the one qwen2om ships (tools/cann_table.py writes "
+                                                    "a newer one)")] = None,
+    cann_version: Annotated[str | None, typer.Option("--cann-version", help="with --check ascend: the CANN release "
+                                                     "the graphs are for, where the table and older releases "
+                                                     "disagree: 7.x or 8.x (default: the safer rule) or 'table' "
+                                                     "(a CANN built from the table's commits)")] = None,
     dump_graph: Annotated[Path | None, typer.Option("--dump-graph", metavar="FILE", help="draw the graph into "
                                                     "FILE.dot, .svg (full size: every label, zoomable), .png (scaled "
                                                     "down to fit a 1920×1200 screen; graphviz's dot draws these two) "
@@ -541,8 +549,10 @@ def inspect(
         raise Qwen2omError(f"a second path ({other}) is only read with --diff")
     if dump_graph is None and (layer != 0 or full or graph is not None):
         raise Qwen2omError("--layer, --full and --graph go with --dump-graph FILE")
+    if check is None and (cann_table is not None or cann_version is not None):
+        raise Qwen2omError("--cann-table and --cann-version go with --check ascend")
     if check is not None:
-        print_check(path, check, soc_version, as_json)
+        print_check(path, check, soc_version, as_json, cann_table, cann_version)
         return
     if diff:
         print_diff(path, other, checksums, as_json)
@@ -631,28 +641,36 @@ def print_quantized_modules(info: dict[str, Any]) -> None:
                           + (f", … ({len(ignored)} in all)" if len(ignored) > 8 else ""))
 
 
-def print_check(path: str, target: str, soc_version: str | None, as_json: bool) -> None:
+def print_check(path: str, target: str, soc_version: str | None, as_json: bool, cann_table: Path | None = None,
+                cann_version: str | None = None) -> None:
+    from qwen2om.ascend import cann_release
     from qwen2om.builtin import resolve_model
+    from qwen2om.cann import load_table
     from qwen2om.inspect import check_graphs
 
-    found = check_graphs(resolve_model(path), target, soc_version)
+    found = check_graphs(resolve_model(path), target, soc_version, cann_table and str(cann_table), cann_version)
     total = sum(len(v) for v in found.values())
+    table_used, release = load_table(cann_table), cann_release(cann_version)
+    against = f"table {table_used.path}: {table_used.provenance()}; --cann-version {release.name}"
     if as_json:
-        print(json.dumps({"check": target, "soc_version": soc_version, "problems": found}, indent=2))
+        print(json.dumps({"check": target, "soc_version": soc_version, "cann_table": table_used.path,
+                          "cann_sources": dict(table_used.repos), "cann_version": release.name, "problems": found},
+                         indent=2))
     elif not total:
-        out_console.print(f"[green]✓[/] {path}: no construct ATC is known to reject ({', '.join(found)})")
+        out_console.print(f"[green]✓[/] {path}: no construct ATC is known to reject ({', '.join(found)}; "
+                          f"{shown(against)})")
     else:
-        table = Table(title=f"{path}: {total} construct(s) ATC would reject")
-        for col in ("graph", "count", "nodes / tensors", "what", "why"):
+        table = Table(title=f"{path}: {total} construct(s) ATC would reject ({shown(against)})")
+        for col in ("graph", "count", "nodes / tensors", "what", "why", "source"):
             table.add_column(col, overflow="fold", justify="right" if col == "count" else "left")
         for kind, items in found.items():
             # One row per kind of problem: a layer-by-layer model repeats each one per layer (--json lists all).
-            groups: dict[tuple[str, str], list[str]] = {}
+            groups: dict[tuple[str, str, str], list[str]] = {}
             for p in items:
-                groups.setdefault((p["what"], p["reason"]), []).append(p["where"])
-            for (what, why), where in groups.items():
-                shown = where[0] + (f", … ({len(where) - 1} more)" if len(where) > 1 else "")
-                table.add_row(kind, str(len(where)), shown, what, why)
+                groups.setdefault((p["what"], p["reason"], p["source"]), []).append(p["where"])
+            for (what, why, source), where in groups.items():
+                first = where[0] + (f", … ({len(where) - 1} more)" if len(where) > 1 else "")
+                table.add_row(kind, str(len(where)), shown(first), shown(what), shown(why), shown(source))
         out_console.print(table)
     if total:
         raise typer.Exit(1)

@@ -10,6 +10,7 @@ enough. `checksums=True` is the one thing that reads the weights: the sha256 of 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -153,18 +154,23 @@ def grouped_io(ios: list[dict[str, Any]]) -> list[dict[str, Any]]:
 CHECKS = ("ascend",)
 
 
-def check_graphs(path: Path | str, target: str, soc_version: str | None = None) -> dict[str, list[dict[str, str]]]:
-    """`--check ascend`: graph → every construct ATC would reject, with the reason (qwen2om/ascend.py).
+def check_graphs(path: Path | str, target: str, soc_version: str | None = None, cann_table: str | None = None,
+                 cann_version: str | None = None) -> dict[str, list[dict[str, str]]]:
+    """`--check ascend`: graph → every construct ATC would reject, with the reason and its source
+    (qwen2om/ascend.py over the table of CANN's registrations, qwen2om/cann.py).
 
     PATH is an output directory (each graph of its manifest) or one .onnx file; graphs are read
-    without their external data."""
+    without their external data. `cann_table` replaces the shipped table (a newer one from
+    tools/cann_table.py); `cann_version` picks the rules where the table and older releases disagree."""
     import onnx_ir as ir
 
-    from qwen2om.ascend import problems, soc_info
+    from qwen2om.ascend import cann_release, problems, soc_info
+    from qwen2om.cann import load_table
 
     if target not in CHECKS:
         raise Qwen2omError(f"--check {target!r}: the checks are {', '.join(CHECKS)}")
     soc = soc_info(soc_version) if soc_version else None
+    table, release = load_table(cann_table), cann_release(cann_version)
     path = Path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = read_manifest(path)
@@ -176,5 +182,5 @@ def check_graphs(path: Path | str, target: str, soc_version: str | None = None) 
     found = {}
     for kind, f in files.items():
         model = ir.serde.deserialize_model(load_graph(f))
-        found[kind] = [{"where": p.where, "what": p.what, "reason": p.reason} for p in problems(model, soc)]
+        found[kind] = [dataclasses.asdict(p) for p in problems(model, soc, table, release)]
     return found

@@ -70,7 +70,7 @@ class Recipe:
     # target ascend only:
     soc_version: str = ""  # ATC --soc_version, e.g. Ascend910B3
     precision: str = "origin"  # ATC --precision_mode_v2: origin keeps the graph's dtypes
-    weight_storage: str = "auto"  # int8: int4 weights stored as int8 + AscendAntiQuant (310B: W8A16)
+    weight_storage: str = "auto"  # int8: int4 weights stored as int8, dequantised by Cast + Mul (310B: W8A16)
     compile: str = "auto"  # auto: run atc when CANN is installed; dry-run: write the commands only
     # Prefill chunk sizes compiled into one .om with ATC --dynamic_dims; the largest is the prefill chunk.
     # Empty: one static prefill graph of prefill_chunk tokens.

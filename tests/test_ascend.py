@@ -53,7 +53,7 @@ def ascend_out(tmp_path_factory, w4, qwen2_quantized) -> dict[str, Path]:
     for name, model, soc in (("qwen3-fp16", "builtin:tiny-qwen3", "Ascend910B3"),
                              ("qwen2-fp16", "builtin:tiny-qwen2", "Ascend910B3"),
                              ("qwen3-w4a16", str(w4), "Ascend910B3"),
-                             ("qwen2-w4a16", str(qwen2_quantized["w4a16"]), "Ascend310P3"),
+                             ("qwen2-w4a16", str(qwen2_quantized["w4a16"]), "Ascend910_9392"),
                              ("qwen3-fp8", "builtin:tiny-qwen3-fp8", "Ascend310P3"),
                              ("qwen2-fp8", str(qwen2_quantized["fp8"]), "Ascend910B3")):
         outs[name] = tmp_path_factory.mktemp("ascend") / name
@@ -119,7 +119,10 @@ def test_310b_needs_consent_for_w8a16(w4, tmp_path: Path, cli) -> None:
     convert(w4, out, overrides=[*SMALL, "target=ascend", "soc_version=Ascend310B1", "weight_storage=int8"])
     decode = onnx.load(out / "model.decode.onnx", load_external_data=False)
     ops = [n.op_type for n in decode.graph.node]
-    assert ops.count("AscendAntiQuant") == 4 * 7 and "WeightQuantBatchMatmulV2" not in ops
+    assert "AscendAntiQuant" not in ops and "WeightQuantBatchMatmulV2" not in ops  # issue 23: standard ops only
+    int8 = {i.name for i in decode.graph.initializer if i.data_type == TensorProto.INT8}
+    casts = [n for n in decode.graph.node if n.op_type == "Cast" and n.input[0] in int8]
+    assert len(casts) == 4 * 7 and all(helper.get_attribute_value(n.attribute[0]) == TensorProto.FLOAT16 for n in casts)
     assert {i.name: i.data_type for i in decode.graph.initializer}[
         "model.layers.0.mlp.down_proj.weight_int8"] == TensorProto.INT8
     report = verify(out, w4, tokens=8, prompts=["The tiny model"])
