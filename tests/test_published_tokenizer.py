@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from published import wheel_folder
 from tokenizers import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 # Chinese, code, emoji, long digit runs, whitespace runs, text with special tokens in it, combining marks.
 CORPUS: dict[str, str] = {

@@ -77,7 +77,7 @@ def test_values_are_seeded_per_name() -> None:
 
 
 def test_one_layer_checkpoint_loads_in_transformers(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     dest = write_synthetic_checkpoint("qwen3-0.6b", tmp_path / "ckpt", layers=1, seed=0,
                                       shard_bytes=128 * 2**20)
     names = {p.name for p in dest.iterdir()}
