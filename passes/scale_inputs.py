@@ -40,9 +40,7 @@ class ScaleInputs:
     """With `scales: inputs`, turn each quantised MatMul's scales into a `<weight>.scale` graph input."""
 
     name: ClassVar[str] = "scale_inputs"
-    # Both lowerings: each leaves its scales (and MoE's stacked ones) for this pass to turn into inputs.
-    # Listed after lower_fp8 only, scale_inputs found no FP8 scale and the model came out without any.
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "int4_lowered", "fp8_lowered", "checkpoint")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "int4_lowered", "checkpoint")
     produces: ClassVar[tuple[str, ...]] = ("scale_map",)
 
     def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:

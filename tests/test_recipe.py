@@ -117,14 +117,3 @@ def test_a_recipe_on_a_builtin_names_the_builtin(cli, tmp_path) -> None:
     assert code == 2 and "recipe qwen2-fp32 is for family 'qwen2', but builtin:tiny-qwen3 is 'qwen3'" in text, text
     assert "builtin/tiny-qwen3" not in stdout + text and not (tmp_path / "o").exists()
 
-
-def test_scale_inputs_before_lower_fp8_is_refused_before_any_work() -> None:
-    """Issue 24's first finding: with `scale_inputs` listed before `lower_fp8`, the plan check passed
-    and an FP8 model converted with zero scale inputs; the plan now says which pass is missing."""
-    names = [n for n, _ in load_recipe("qwen3-fp32").pipeline]
-    swapped = list(names)
-    i, j = swapped.index("lower_fp8"), swapped.index("scale_inputs")
-    swapped[i], swapped[j] = swapped[j], swapped[i]
-    with pytest.raises(PlanError, match=r"pass 'scale_inputs' needs \['fp8_lowered'\]"):
-        check_plan(swapped)
-    check_plan(names)  # the bundled order stays valid
