@@ -116,4 +116,3 @@ def test_a_recipe_on_a_builtin_names_the_builtin(cli, tmp_path) -> None:
     text = " ".join(err.split())
     assert code == 2 and "recipe qwen2-fp32 is for family 'qwen2', but builtin:tiny-qwen3 is 'qwen3'" in text, text
     assert "builtin/tiny-qwen3" not in stdout + text and not (tmp_path / "o").exists()
-
