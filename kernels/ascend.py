@@ -299,14 +299,12 @@ def cpu_runnable(out: Path, *, check_hashes: bool = False) -> Iterator[Path]:
     symlink out of the model's directory). The view lives inside `out`, so the links are on the same
     file system; where `out` is not writable, files are copied to the system's temporary directory."""
     out = Path(out)
-    if (out / "manifest.json").is_file():  # not yet while convert checks its staging directory
+    manifest = None  # none yet while convert checks its staging directory
+    if (out / "manifest.json").is_file():
         # OUT's own files, checked before any is parsed (the view's decomposed graphs have other hashes)
-        from qwen2om.runtime.standalone import check_files
+        from qwen2om.runtime.standalone import check_files, load_manifest
 
-        try:
-            manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RuntimeInputError(f"{out / 'manifest.json'}: cannot read the manifest ({e})") from None
+        manifest = load_manifest(out)
         check_files(out, manifest, hashes=check_hashes)
     models = {p.name: load_graph(p) for p in sorted(out.glob("model.*.onnx"))}
     if not any(has_ascend_ops(m) for m in models.values()):
@@ -325,10 +323,9 @@ def cpu_runnable(out: Path, *, check_hashes: bool = False) -> Iterator[Path]:
         for name_, model in models.items():
             decompose(model)
             onnx.save(model, view / name_)
-        if (out / "manifest.json").is_file():  # not yet while convert checks its staging directory
+        if manifest is not None:
             # The view's manifest lists the decomposed graphs as they are (the runtime checks sizes against
             # it); a new file, not a write through the link into `out`'s own manifest.
-            manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
             for entry in manifest.get("files", []):
                 if entry["name"] in models:
                     entry["bytes"] = (view / entry["name"]).stat().st_size

@@ -38,12 +38,19 @@ def fast_tokenizer(source: Path, stage: Path) -> Path:
     Qwen2 uploads, some fine-tunes): run.py reads tokenizers' format only. transformers builds it from
     those files and tokenizer_config.json's added tokens, as its own fast loader does."""
     check_tokenizer_sources(source)
+    import tempfile
+
     from transformers import AutoTokenizer
 
+    path = stage / "tokenizer.json"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source), use_fast=True)
-        path = stage / "tokenizer.json"
-        tokenizer.backend_tokenizer.save(str(path))
+        # transformers reads from a private copy of the checkpoint's tokenizer files, each confined: given
+        # the checkpoint itself, it would open whatever else is there (tokenizer.model, links out of it).
+        with tempfile.TemporaryDirectory(prefix="qwen2om-tokenizer-") as tmp:
+            for name in (*TOKENIZER_FILES, "config.json"):
+                if (source / name).exists() or (source / name).is_symlink():
+                    shutil.copyfile(confined(source, name), Path(tmp) / name)
+            AutoTokenizer.from_pretrained(tmp, use_fast=True).backend_tokenizer.save(str(path))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{source}: cannot build tokenizer.json from vocab.json + merges.txt "
                               f"({' '.join(str(e).split())[:200]})") from None

@@ -209,17 +209,14 @@ def write_manifest(stage: Path, manifest: dict[str, Any], workers: int = 1) -> P
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
-    from qwen2om.checkpoint import read_json
-    from qwen2om.runtime.standalone import RuntimeInputError, check_manifest
+    """OUT's manifest, read and checked by the runtime's own rules (one definition of a well-formed,
+    confined manifest for run.py and qwen2om alike)."""
+    from qwen2om.runtime.standalone import RuntimeInputError, check_confined, check_manifest, load_manifest
 
-    manifest = read_json(Path(out) / MANIFEST, "qwen2om manifest")
-    try:  # the runtime's own check of the parts it reads: one definition of a well-formed manifest
+    try:
+        manifest = load_manifest(Path(out))
         check_manifest(Path(out), manifest)
+        check_confined(Path(out), manifest)
     except RuntimeInputError as e:
         raise Qwen2omError(str(e)) from None
-    root = Path(out).resolve()
-    named = [spec["file"] for spec in manifest["graphs"].values()] + [f["name"] for f in manifest.get("files", [])]
-    for name in named:  # absolute or ../ entries would have qwen2om read or run files from elsewhere
-        if not (root / name).resolve().is_relative_to(root):
-            raise Qwen2omError(f"{out}/{MANIFEST} names {name!r}, outside {out}: refusing to read it")
     return manifest

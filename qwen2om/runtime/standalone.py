@@ -83,6 +83,18 @@ def printable(text: str) -> str:
 RUNTIME_KEYS = ("capacity", "batch", "vocab", "dtype")
 
 
+def load_manifest(model_dir: Path) -> dict:
+    """OUT/manifest.json as JSON, from a regular file (a FIFO would block the read), named when it is
+    missing or unreadable. Its structure is check_manifest's; what it names, check_confined's."""
+    path = Path(model_dir) / "manifest.json"
+    if not path.is_file():  # False for a FIFO or device too: nothing is opened
+        raise RuntimeInputError(f"{model_dir}: no manifest.json (is this a qwen2om output directory?)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise RuntimeInputError(f"{path}: cannot read the manifest ({printable(str(e))[:200]})") from None
+
+
 def check_manifest(model_dir: Path, manifest: object) -> None:
     """The parts of manifest.json the engine reads, by name: a damaged or foreign manifest is reported
     here, not as a KeyError from deep inside the engine."""
@@ -114,6 +126,17 @@ def check_manifest(model_dir: Path, manifest: object) -> None:
         raise RuntimeInputError(f"{where}: 'files' must list each file's name and bytes (damaged: convert again)")
 
 
+def check_confined(model_dir: Path, manifest: dict) -> None:
+    """Every graph and file a (check_manifest-checked) manifest names lies inside `model_dir`: an absolute
+    or ../ entry would have the runtime run, or qwen2om read, a file from elsewhere."""
+    root = Path(model_dir).resolve()
+    names = {spec["file"] for spec in manifest["graphs"].values()} | {f["name"] for f in manifest.get("files", [])}
+    for name in sorted(names):
+        if not (root / name).resolve().is_relative_to(root):
+            raise RuntimeInputError(f"{model_dir}/manifest.json names {printable(repr(name))}, outside {model_dir}: "
+                                    "refusing to read it")
+
+
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -130,13 +153,8 @@ def check_files(model_dir: Path, manifest: dict, *, hashes: bool = False) -> Non
     scales.safetensors: scales are inputs so that they can be replaced, and `load_scales` names what a
     replaced file lacks; `hashes` checks it like any other file."""
     check_manifest(model_dir, manifest)
-    root = Path(model_dir).resolve()
+    check_confined(model_dir, manifest)
     graphs = {spec["file"] for spec in manifest["graphs"].values()}
-    listed = {f["name"] for f in manifest.get("files", [])}
-    for name in sorted(graphs | listed):  # an absolute or ../ entry would run or read a file from elsewhere
-        if not (model_dir / name).resolve().is_relative_to(root):
-            raise RuntimeInputError(f"{model_dir}/manifest.json names {printable(repr(name))}, outside {model_dir}: "
-                                    "refusing to read it")
     for name in sorted(graphs):
         path = model_dir / name
         if not path.exists():
@@ -227,8 +245,8 @@ def sampling_defaults(model_dir: Path) -> dict[str, float]:
     """The sampling settings the checkpoint publishes (manifest `runtime.sampling`, from its
     generation_config.json), over qwen2om's own defaults; a damaged entry is left to Engine to name."""
     try:
-        published = json.loads((Path(model_dir) / "manifest.json").read_text(encoding="utf-8"))["runtime"]["sampling"]
-    except (OSError, ValueError, KeyError, TypeError):
+        published = load_manifest(model_dir)["runtime"]["sampling"]
+    except (RuntimeInputError, KeyError, TypeError):
         published = {}
     if not isinstance(published, dict):
         published = {}
@@ -1009,15 +1027,9 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, threads: int = 0, providers: Sequence[str] = (),
                  backend: str = "ort", device: int = 0, check_hashes: bool = False) -> None:
         self.dir = Path(model_dir)
-        manifest_path = self.dir / "manifest.json"
-        if not manifest_path.is_file():
-            raise RuntimeInputError(f"{self.dir}: no manifest.json (is this a qwen2om output directory?)")
         if backend not in ("ort", "acl"):
             raise BackendError(f"unknown backend {backend!r} (known: ort, acl)")
-        try:
-            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RuntimeInputError(f"{manifest_path}: cannot read the manifest ({e})") from None
+        self.manifest = load_manifest(self.dir)
         if backend == "ort" or check_hashes:
             check_files(self.dir, self.manifest, hashes=check_hashes)
         else:
