@@ -63,8 +63,8 @@ def qwen2om(*args: str) -> None:
 
 
 def recipe_variant(work: Path, name: str, fp8_line: str | None) -> Path:
-    """recipes/qwen3-fp32.yaml with its lower_fp8 line replaced (None: removed)."""
-    lines = (REPO / "recipes" / "qwen3-fp32.yaml").read_text().splitlines()
+    """recipes/ort.yaml with its lower_fp8 line replaced (None: removed)."""
+    lines = (REPO / "recipes" / "ort.yaml").read_text().splitlines()
     out = [(fp8_line if line.strip().startswith("- lower_fp8") else line) for line in lines]
     path = work / f"qwen3-fp32-{name}.yaml"
     path.write_text("\n".join(x for x in out if x is not None) + "\n")

@@ -8,11 +8,11 @@ each OUT:
     python bench/identical_outputs.py record before.json      # on the old code
     python bench/identical_outputs.py check before.json       # on the new code: exit 1 on any change
 
-Cases: every builtin (float and FP8) and three W4A16 checkpoints that `qwen2om calibrate` writes
-(RTN, group 32 for the tiny widths, so deterministic: dense, MoE, hybrid, and one in the ascendv1 format) × the bundled recipes a
-user reaches with flags: ort fp32 and fp16, ascend fp16 for Ascend910B3 (int4 kernel) and
-Ascend310P3 (W8A16), ascend fp32 for Ascend910B3. The recipe file is the one `convert` picks for the
-checkpoint's family (qwen2-*, qwen3-*).
+Cases: every builtin (float and FP8) and four W4A16 checkpoints that `qwen2om calibrate` writes
+(RTN, group 32 for the tiny widths, so deterministic: dense, MoE, hybrid, and dense in the
+ascendv1 format) × the bundled recipes a user reaches with flags: ort fp32 and fp16, ascend fp16
+for Ascend910B3 (int4 kernel) and Ascend310P3 (refused for int4; with `weight_storage=int8`, W8A16),
+ascend fp32 for Ascend910B3. A refusal is recorded (its message) and compared like a file.
 
 manifest.json is compared without what is not the converter's output: each pass's wall time
 (`stages[].seconds`) and the installed versions (`tools`). Everything else, graph bytes, external
@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FLOAT = ["tiny-qwen2", "tiny-qwen2-untied", "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwen3-moe",
@@ -45,6 +46,9 @@ TARGETS = {
     "ascend-fp16-910b3": ["--target", "ascend", "--dtype", "fp16", "--soc-version", "Ascend910B3"],
     "ascend-fp16-310p3": ["--target", "ascend", "--dtype", "fp16", "--soc-version", "Ascend310P3"],
     "ascend-fp32-910b3": ["--target", "ascend", "--dtype", "fp32", "--soc-version", "Ascend910B3"],
+    # 310P has no int4 kernel: int4 weights go as int8, dequantised by Cast + Mul (W8A16)
+    "ascend-fp16-310p3-w8": ["--target", "ascend", "--dtype", "fp16", "--soc-version", "Ascend310P3",
+                             "--set", "weight_storage=int8"],
 }
 # Small graphs, so the whole matrix takes minutes; capacity and chunk still differ (P ≠ T).
 SHAPE = ["--max-seq-len", "64", "--prefill-chunk", "16"]
@@ -92,25 +96,25 @@ def models(work: Path) -> dict[str, str]:
     return found
 
 
-def run_cases(work: Path, only: str | None) -> dict[str, dict[str, str]]:
-    results: dict[str, dict[str, str]] = {}
-    for name, model in models(work).items():
-        for target, flags in TARGETS.items():
-            case = f"{name}/{target}"
-            if only and only not in case:
-                continue
-            out = work / "out" / name / target
-            t0 = time.perf_counter()
-            proc = subprocess.run([*qwen2om(), "convert", model, "-o", str(out), "--force", *SHAPE, *flags],
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                # A refusal is an outcome too (e.g. a SoC without a kernel): recorded, and compared.
-                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-                results[case] = {"<refused>": hashlib.sha256(last.encode()).hexdigest()[:16] + " " + last[:200]}
-            else:
-                results[case] = tree_hashes(out)
-            print(f"{case:45s} {len(results[case]):3d} files  {time.perf_counter() - t0:6.1f} s", flush=True)
-    return results
+def run_case(work: Path, name: str, model: str, target: str) -> tuple[str, dict[str, str]]:
+    case, out, t0 = f"{name}/{target}", work / "out" / name / target, time.perf_counter()
+    proc = subprocess.run([*qwen2om(), "convert", model, "-o", str(out), "--force", *SHAPE, *TARGETS[target]],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        # A refusal is an outcome too (e.g. a SoC without a kernel): recorded, and compared.
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        hashes = {"<refused>": hashlib.sha256(last.encode()).hexdigest()[:16] + " " + last[:200]}
+    else:
+        hashes = tree_hashes(out)
+    print(f"{case:45s} {len(hashes):3d} files  {time.perf_counter() - t0:6.1f} s", flush=True)
+    return case, hashes
+
+
+def run_cases(work: Path, only: str | None, jobs: int) -> dict[str, dict[str, str]]:
+    cases = [(name, model, target) for name, model in models(work).items() for target in TARGETS
+             if not only or only in f"{name}/{target}"]
+    with ThreadPoolExecutor(jobs) as pool:  # each case is its own process; threads only wait on them
+        return dict(pool.map(lambda c: run_case(work, *c), cases))
 
 
 def compare(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> int:
@@ -137,16 +141,17 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qwen2om-identical",
                     help="where checkpoints and OUTs go (the same path both times: paths appear in the outputs)")
     ap.add_argument("--only", help="cases whose name contains this text")
+    ap.add_argument("--jobs", type=int, default=1, help="conversions at once (each a process)")
     args = ap.parse_args()
     if args.mode == "record":
-        results = run_cases(args.work, args.only)
+        results = run_cases(args.work, args.only, args.jobs)
         args.hashes.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"{len(results)} cases recorded in {args.hashes}")
         return 0
     before = json.loads(args.hashes.read_text())
     if args.only:
         before = {k: v for k, v in before.items() if args.only in k}
-    after = run_cases(args.work, args.only)
+    after = run_cases(args.work, args.only, args.jobs)
     return compare(before, after)
 
 

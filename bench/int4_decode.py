@@ -10,7 +10,7 @@ What it does, in order (every artefact is cached under `--workdir`/int4, `--rebu
    - `fp32`: CKPT with the default recipe;
    - `w4-acc0`: W4 with the default recipe, whose `lower_int4` pass writes `com.microsoft::MatMulNBits`
      with accuracy_level 0 (float compute against the dequantised weights);
-   - `w4-acc4`: W4 with a copy of `recipes/qwen3-fp32.yaml` whose pipeline says
+   - `w4-acc4`: W4 with a copy of `recipes/ort.yaml` whose pipeline says
      `- lower_int4: {accuracy_level: 4}` (activations quantised to int8 per block, as ORT GenAI does);
    (and the variants `--only` names: `w4-acc4-qhead` with an int4 LM head, `w4-acc4-qhead-gears` the same
    converted with `--gears 16,32,64,T`, so a short prompt's prefill runs at its smallest gear,
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = f"P{a.max_seq_len}-T{a.prefill_chunk}"
     out = {k: work / f"onnx-{k}-{tag}-{shape}" for k in ("fp32", *INT4)}
     genai = work / f"ortgenai-int4-{tag}"
-    base = REPO / "recipes" / "qwen3-fp32.yaml"
+    base = REPO / "recipes" / "ort.yaml"
     recipes = {"acc4": acc4_recipe(base, work / "qwen3-fp32-int4-acc4.yaml"),
                "acc4-unfused": acc4_recipe(base, work / "qwen3-fp32-int4-acc4-unfused.yaml", fuse=False)}
     force = ["--force"] if a.rebuild else []

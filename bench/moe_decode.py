@@ -292,9 +292,9 @@ def table(rows: list[Timing], ref: list[int]) -> str:
 
 
 def bundled_recipe(work: Path, name: str, edit: dict[str, str | None]) -> Path:
-    """recipes/qwen3-fp32.yaml with pipeline steps replaced by name, or dropped (None)."""
+    """recipes/ort.yaml with pipeline steps replaced by name, or dropped (None)."""
     lines = []
-    for line in (REPO / "recipes" / "qwen3-fp32.yaml").read_text().splitlines(True):
+    for line in (REPO / "recipes" / "ort.yaml").read_text().splitlines(True):
         step = line.strip().removeprefix("- ").split(":")[0].split()[0] if line.strip().startswith("- ") else None
         if step in edit:
             if edit[step] is not None:

@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.kernels.ascend import cpu_runnable, decompose, has_ascend_ops
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.signature import IOSpec, token_axes
 
 ONNX_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT,
@@ -133,14 +133,15 @@ class CheckOutputs:
     """Each graph passes the ONNX checker with exactly the signature's I/O; small ones also run in ONNX Runtime."""
 
     name: ClassVar[str] = "check_outputs"
-    requires: ClassVar[tuple[str, ...]] = ("onnx_files", "signatures")
-    produces: ClassVar[tuple[str, ...]] = ("checked",)
+    requires: ClassVar[tuple[str, ...]] = ("onnx_files", "signatures", "graph_gears")
+    produces: ClassVar[tuple[str, ...]] = ("outputs_checked",)
+    freezes: ClassVar[tuple[str, ...]] = ("signatures",)
 
     def __init__(self, run_limit_mb: int = 256) -> None:
         self.run_limit = run_limit_mb << 20
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        files, sigs, gears = ws.need("onnx_files"), ws.need("signatures"), ws.get("graph_gears", {})
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        files, sigs, gears = state.onnx_files, state.signatures, (state.graph_gears or {})
         check_scale_map(ctx.stage_dir, sigs)
         ran = 0
         for kind, (inputs, outputs) in sigs.items():
@@ -155,5 +156,4 @@ class CheckOutputs:
                 ctx.log(f"check_outputs: {weights / 2**30:.2f} GiB of weights is above the {self.run_limit >> 20} MiB "
                         "limit for a trial run in ONNX Runtime (check_outputs run_limit_mb); structure checked "
                         "only, `qwen2om verify` runs the model")
-        ws["checked"] = True
         return PassResult(False, {"graphs_checked": len(sigs), "graphs_run": ran})

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from qwen2om.errors import CheckpointError
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.targets import scale_range
 
 LAYER = re.compile(r"\blayers\.(\d+)\.")
@@ -33,9 +33,8 @@ class CheckScales:
     requires: ClassVar[tuple[str, ...]] = ("checkpoint",)
     produces: ClassVar[tuple[str, ...]] = ("scales_checked",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt, r = ws.need("checkpoint"), ctx.recipe
-        ws["scales_checked"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt, r = state.checkpoint, ctx.recipe
         if not ckpt.quantized:
             return PassResult(False, {"scales": 0})
         layers: dict[Any, list[float]] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from qwen2om.arch import expected_tensors
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
 
 @register
@@ -16,11 +16,11 @@ class CheckWeights:
     requires: ClassVar[tuple[str, ...]] = ("checkpoint",)
     produces: ClassVar[tuple[str, ...]] = ("weights_checked", "source_hashes")
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt = ws.need("checkpoint")
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt = state.checkpoint
         names = set(expected_tensors(ckpt.arch, ckpt.dims)) | set(ckpt.names())  # quantised: their scales too
         hashes = ckpt.scan(names, workers=ctx.workers,
                            progress=lambda done, total: ctx.progress("reading shards", done, total, unit="bytes"))
         ctx.journal.check_sources(hashes)
-        ws["weights_checked"], ws["source_hashes"] = True, hashes
+        state.source_hashes = hashes
         return PassResult(False, {"tensors_checked": len(names), "shards_hashed": len(hashes)})

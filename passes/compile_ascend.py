@@ -27,8 +27,8 @@ from typing import ClassVar
 
 from qwen2om.atc import AtcOptions, atc_command, keep_dtype_nodes, mixlist_json, script
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.write_onnx import graph_file
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.output import graph_file
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
 ASCEND_DIR = "ascend"
 KEEP_DTYPE, MIXLIST, SCRIPT, COMMANDS = "keep_dtype.cfg", "modify_mixlist.json", "compile.sh", "atc_commands.json"
@@ -39,11 +39,11 @@ def om_name(kind: str) -> str:
     return f"model.{kind}"
 
 
-def commands(ws: Workspace, opts: AtcOptions) -> tuple[list[list[str]], list[list[str]]]:
+def commands(state: ConvertState, opts: AtcOptions) -> tuple[list[list[str]], list[list[str]]]:
     """(compile commands, `--mode=1` JSON dump commands), one of each per graph."""
     compile_cmds, dump_cmds = [], []
-    gears = ws.get("graph_gears", {})
-    for kind, (inputs, outputs) in ws.need("signatures").items():
+    gears = (state.graph_gears or {})
+    for kind, (inputs, outputs) in state.signatures.items():
         graph = {"inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs],
                  "tokens": inputs[0].shape[1], "gears": gears.get(kind, [])}
         compile_cmds.append(atc_command(f"../{graph_file(kind)}", om_name(kind), graph, opts,
@@ -68,17 +68,18 @@ class CompileAscend:
     """OUT/ascend/: the ATC command per graph, its config files and a rerun script; the .om with CANN."""
 
     name: ClassVar[str] = "compile_ascend"
-    requires: ClassVar[tuple[str, ...]] = ("onnx_files", "signatures", "ascend_checked")
+    requires: ClassVar[tuple[str, ...]] = ("onnx_files", "graphs", "signatures", "graph_gears", "ascend_checked")
     produces: ClassVar[tuple[str, ...]] = ("ascend_files",)
+    freezes: ClassVar[tuple[str, ...]] = ("signatures",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         r = ctx.recipe
         opts = AtcOptions(r.soc_version, r.precision)
         opts.check()
         d = ctx.stage_dir / ASCEND_DIR
         d.mkdir(exist_ok=True)
-        compile_cmds, dump_cmds = commands(ws, opts)
-        names = [node.name or "" for model in ws.need("graphs").values() for node in model.graph]
+        compile_cmds, dump_cmds = commands(state, opts)
+        names = [node.name or "" for model in state.graphs.values() for node in model.graph]
         (d / KEEP_DTYPE).write_text("".join(f"{n}\n" for n in keep_dtype_nodes(names)))
         (d / MIXLIST).write_text(mixlist_json())
         (d / SCRIPT).write_text(script([*compile_cmds, *dump_cmds]))
@@ -93,11 +94,11 @@ class CompileAscend:
             why = "--dry-run" if r.compile == "dry-run" else "CANN's `atc` was not found on PATH"
             ctx.log(f"{why}: wrote the ATC commands to {ASCEND_DIR}/{SCRIPT}; run it on a machine with CANN "
                     "(source set_env.sh first) to build the .om files")
-            ws["ascend_files"] = True
+            state.ascend_files = sorted(p.name for p in d.iterdir())
             return PassResult(True, stats | {"compiled": 0, "atc": "dry-run" if atc else "not found"})
         for cmd, dump in zip(compile_cmds, dump_cmds, strict=True):
             ctx.progress(f"atc: compiling {cmd[3].removeprefix('--output=')}.om", 0, 1)
             run_atc([atc, *cmd[1:]], d, d / f"atc.{cmd[3].removeprefix('--output=model.')}.log")
             run_atc([atc, *dump[1:]], d, d / f"atc.{cmd[3].removeprefix('--output=model.')}.json.log")
-        ws["ascend_files"] = True
+        state.ascend_files = sorted(p.name for p in d.iterdir())
         return PassResult(True, stats | {"compiled": len(compile_cmds), "atc": atc})

@@ -23,7 +23,7 @@ import onnxscript.optimizer
 import torch
 
 from qwen2om.errors import Qwen2omError, caused_by_interrupt
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.replicate import TemplateError, layer_kinds, replicate_layers
 from qwen2om.signature import IOSpec, graph_io, token_axes
 
@@ -148,8 +148,8 @@ class ExportOnnx:
     def __init__(self, replicate: bool = True) -> None:
         self.replicate = replicate
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        full, template, ckpt, r = ws.need("static_model"), ws.need("template_model"), ws.need("checkpoint"), ctx.recipe
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        full, template, ckpt, r = state.static_model, state.template_model, state.checkpoint, ctx.recipe
         dims = ckpt.dims
         graphs, sigs, traced = {}, {}, {}
         shapes = call_shapes(r)
@@ -182,7 +182,7 @@ class ExportOnnx:
                 raise Qwen2omError(f"torch.onnx.export failed for the {kind} graph: {first}") from e
             graphs[kind], sigs[kind] = graph, (inputs, outputs)
             ctx.progress(f"exporting {kind} graph (T={t})", n + 1, len(shapes))
-        ws["graphs"], ws["signatures"], ws["graph_gears"] = graphs, sigs, gear_map
+        state.graphs, state.signatures, state.graph_gears = graphs, sigs, gear_map
         stats: dict[str, int | float | str] = {f"{k}_nodes": len(list(g.graph)) for k, g in graphs.items()}
         stats.update({f"{k}_gears": ",".join(map(str, g)) for k, g in gear_map.items()})
         stats.update({f"{k}_layers_traced": v for k, v in traced.items()})

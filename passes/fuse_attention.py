@@ -31,20 +31,18 @@ without these kernels (Ascend) leave the pass out.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
-from qwen2om.passes.fuse_moe import boundary, constant, regions
-from qwen2om.passes.lower_fp8 import const
-from qwen2om.passes.lower_int4 import MS_DOMAIN
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.families import QWEN_NAMES
+from qwen2om.graph_rewrite import MS_DOMAIN, boundary, const, is_constant, regions
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.signature import ROLE_CACHE_KEY, ROLE_CACHE_VALUE
 
-SCOPE = re.compile(r"^/model/layers\.(\d+)/self_attn/cache_attention/")
-ROTARY = re.compile(r"^/model/layers\.(\d+)/self_attn/rotary/")
+SCOPE = QWEN_NAMES.attention_scope_re("cache_attention")
+ROTARY = QWEN_NAMES.attention_scope_re("rotary")
 LENGTHS = "/model/attention_lengths"
 
 
@@ -72,7 +70,7 @@ def derived_from(v: ir.Value, source: ir.Value) -> bool:
     node = v.producer()
     if node is None:
         return False
-    operands = [i for i in node.inputs if not constant(i)]
+    operands = [i for i in node.inputs if not is_constant(i)]
     return bool(operands) and all(derived_from(i, source) for i in operands)
 
 
@@ -176,8 +174,9 @@ class FuseAttention:
     """Cache attention (portable standard ops) → one com.microsoft::GroupQueryAttention per layer (ONNX Runtime)."""
 
     name: ClassVar[str] = "fuse_attention"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "checkpoint", "signatures")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "checkpoint", "signatures")
     produces: ClassVar[tuple[str, ...]] = ("attention_fused",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "signatures")
 
     def __init__(self, share_cache: bool = True) -> None:
         """`share_cache`: in a decode graph (T = 1), hand the kernel the whole static cache and return its
@@ -187,18 +186,17 @@ class FuseAttention:
         Off, or in prefill graphs (a padded chunk could run past the buffer's end), the past is sliced."""
         self.share_cache = bool(share_cache)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        dims = ws.need("checkpoint").dims
-        ws["attention_fused"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        dims = state.checkpoint.dims
         # Per graph (decode_fused_layers=4, prefill_fused_layers=4): a sum read 8 layers in a 4-layer model.
         stats: dict[str, int | float | str] = {}
-        for kind, model in ws.need("graphs").items():
-            here = self.fuse_graph(ws, ctx, kind, model, dims)
+        for kind, model in state.graphs.items():
+            here = self.fuse_graph(state, ctx, kind, model, dims)
             stats |= {f"{kind}_{k}": n for k, n in here.items() if n or k != "shared_cache_layers"}
         changed = any(n for k, n in stats.items() if k.endswith(("_fused_layers", "_rotary_layers")))
         return PassResult(changed, stats)
 
-    def fuse_graph(self, ws: Workspace, ctx: RunContext, kind: str, model: ir.Model, dims: object
+    def fuse_graph(self, state: ConvertState, ctx: RunContext, kind: str, model: ir.Model, dims: object
                    ) -> dict[str, int]:
         """Fuse one graph's rotary embeddings and attention layers; returns how many layers of it were
         fused, kept in standard ops, given a rotary kernel, and read their cache in place."""
@@ -208,7 +206,7 @@ class FuseAttention:
         if counts["rotary_layers"]:
             model.opset_imports[MS_DOMAIN] = 1
             sweep(graph)
-        found = regions(graph, SCOPE)
+        found = regions(graph, scope=SCOPE)
         mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
         if not found or mask is None or mask.shape is None or not isinstance(mask.shape[0], int):
             return counts
@@ -228,7 +226,7 @@ class FuseAttention:
         for layer, region in found.items():
             # Nodes computing constants may be shared with other layers after the exporter's
             # CSE: they stay, and go only if nothing else reads them.
-            constants = [n for n in region if all(constant(v) for v in n.inputs)]
+            constants = [n for n in region if all(is_constant(v) for v in n.inputs)]
             nodes = [n for n in region if n not in constants]
             roles = self.roles(graph, nodes, mask)
             if isinstance(roles, str):
@@ -241,7 +239,7 @@ class FuseAttention:
             share = self.share_cache and t == 1
             self.fuse(graph, layer, nodes, roles, lengths, dims, share=share)
             if share:  # the signature lists the cache outputs as the past inputs, renamed
-                inputs, outputs = ws["signatures"][kind]
+                inputs, outputs = state.signatures[kind]
                 spec = {s.name: s for s in inputs}
                 outputs += [dataclasses.replace(spec[roles[r].name], name=cache_name(roles[r].name), role=role)
                             for r, role in (("past_k", ROLE_CACHE_KEY), ("past_v", ROLE_CACHE_VALUE))]
@@ -260,7 +258,7 @@ class FuseAttention:
         """Each layer's `self_attn.rotary` → one com.microsoft::RotaryEmbedding for q and one for k,
         on the [B, T, heads·D] view, reading the graph's own fp32 tables (first half of each row);
         returns the number of layers rewritten."""
-        found = regions(graph, ROTARY)
+        found = regions(graph, scope=ROTARY)
         positions = next((v for v in graph.inputs if v.name == "position_ids"), None)
         table = {n: graph.initializers.get(n) for n in ("rope_cos", "rope_sin")}
         if not found or positions is None or None in table.values():
@@ -268,7 +266,7 @@ class FuseAttention:
         caches: dict[ir.DataType, list[ir.Value]] = {}
         done = 0
         for layer, region in found.items():
-            constants = [n for n in region if all(constant(v) for v in n.inputs)]
+            constants = [n for n in region if all(is_constant(v) for v in n.inputs)]
             nodes = [n for n in region if n not in constants]
             inputs, outputs = boundary(graph, nodes)
             # cos/sin (and their reshapes, which the exporter may share with later layers) are not operands.
@@ -279,7 +277,7 @@ class FuseAttention:
                 ctx.log(f"{kind} graph, layer {layer}: RoPE left in standard ops: expected q, k [B, T, heads, D] "
                         f"and two outputs, found {len(operands)} and {len(outputs)}")
                 continue
-            scope, before = f"/model/layers.{layer}/self_attn/rotary", nodes[0]
+            scope, before = QWEN_NAMES.attention_scope(layer, "rotary"), nodes[0]
             r = table["rope_cos"].shape[1]  # type: ignore[union-attr]
             dtype = operands[0].dtype
             if dtype not in caches:  # [positions, r/2] in the compute dtype; ONNX Runtime folds these at load
@@ -349,7 +347,7 @@ class FuseAttention:
     @staticmethod
     def fuse(graph: ir.Graph, layer: int, nodes: list[ir.Node], roles: dict[str, ir.Value], lengths: Lengths,
              dims: object, *, share: bool = False) -> None:
-        scope = f"/model/layers.{layer}/self_attn/cache_attention"
+        scope = QWEN_NAMES.attention_scope(layer, "cache_attention")
         before = nodes[0]
 
         def packed(v: ir.Value, heads: int, name: str) -> ir.Value:

@@ -29,11 +29,11 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from qwen2om.passes.lower_int4 import MS_DOMAIN
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.graph_rewrite import MS_DOMAIN, NBITS_SCALE, NBITS_WEIGHT, NBITS_ZERO_POINT
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.weights import WeightRef, Weights
 
-SUFFIXES = (".weight_nbits", ".weight_nbits_scale", ".weight_nbits_zero_point")  # B, scales, zero points
+SUFFIXES = (NBITS_WEIGHT, NBITS_SCALE, NBITS_ZERO_POINT)  # B, scales, zero points: lower_int4's names
 ATTRS = ("K", "bits", "block_size", "accuracy_level")
 
 
@@ -42,14 +42,14 @@ class FuseInt4:
     """MatMulNBits sharing an input (q/k/v, gate/up) → one MatMulNBits over the concatenated rows + Split."""
 
     name: ClassVar[str] = "fuse_int4"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "weights", "int4_lowered", "scale_map")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings", "int4_lowered", "scale_map")
     produces: ClassVar[tuple[str, ...]] = ("int4_fused",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        weights, bindings = ws.need("weights")
-        ws["int4_fused"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        weights, bindings = state.weights, state.bindings
         stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer's groups twice
-        for kind, model in ws.need("graphs").items():
+        for kind, model in state.graphs.items():
             graph = model.graph
             groups = nodes = 0
             for members in candidates(graph, weights):

@@ -25,53 +25,19 @@ with `experts: true`. Recipes for targets without this kernel simply leave the p
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import ClassVar
 
 import onnx_ir as ir
 import torch
 
-from qwen2om.passes.lower_int4 import MS_DOMAIN
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.families import QWEN_NAMES
+from qwen2om.graph_rewrite import MS_DOMAIN, boundary, is_constant, regions
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef, Weights
 
-SCOPE = re.compile(r"^/model/layers\.(\d+)/mlp/experts/")
-
-
-def regions(graph: ir.Graph, scope: re.Pattern[str] = SCOPE) -> dict[int, list[ir.Node]]:
-    """Layer → the nodes of its `scope` (`mlp.experts` by default; group 1 is the layer), in graph order."""
-    found: dict[int, list[ir.Node]] = {}
-    for node in graph:
-        if m := scope.match(node.name or ""):
-            found.setdefault(int(m.group(1)), []).append(node)
-    return found
-
-
-def constant(v: ir.Value | None) -> bool:
-    """An initializer, or computed from initializers and tensor shapes only, never from tensor data
-    (ConstantOfShape of a shape constant; in a graph with prefill gears, the exporter's arithmetic on
-    `Shape` of the symbolic-T inputs, which it shares between layers like any constant)."""
-    if v is None or v.is_initializer():
-        return True
-    node = v.producer()
-    return node is not None and (node.op_type == "Shape" or all(constant(i) for i in node.inputs))
-
-
-def boundary(graph: ir.Graph, nodes: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Value]]:
-    """Non-constant values the region reads from outside it, and values it produces that are read outside."""
-    members = set(nodes)
-    inputs: list[ir.Value] = []
-    for node in nodes:
-        for v in node.inputs:
-            if constant(v) or v in inputs:
-                continue
-            if v.producer() not in members:
-                inputs.append(v)
-    outputs = [v for node in nodes for v in node.outputs
-               if v.is_graph_output() or any(user not in members for user, _ in v.uses())]
-    return inputs, outputs
+SCOPE = QWEN_NAMES.experts_scope_re()
 
 
 def stack_source(weights: Weights, bindings: dict[str, WeightRef], init: ir.Value | None,
@@ -92,23 +58,25 @@ class FuseMoe:
     """Routed experts (portable standard ops) → one com.microsoft::MoE per layer (ONNX Runtime)."""
 
     name: ClassVar[str] = "fuse_moe"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
+    # after the lowering passes: experts they keep int4 / FP8 in the graph are fused in that form
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint",
+                                           "int4_lowered", "fp8_lowered")
     produces: ClassVar[tuple[str, ...]] = ("moe_fused",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
     def __init__(self, quantized: bool = True) -> None:
         """`quantized`: symmetric int4 experts (compressed-tensors, one group size) stay int4 in
         `com.microsoft::QMoE`; off, they run dequantised in `MoE` like float experts."""
         self.quantized = bool(quantized)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        weights, bindings = ws.need("weights")
-        ckpt = self.ckpt = ws.need("checkpoint")
-        ws["moe_fused"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        weights, bindings = state.weights, state.bindings
+        ckpt = self.ckpt = state.checkpoint
         stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer twice
-        for kind, model in ws.need("graphs").items():
+        for kind, model in state.graphs.items():
             graph = model.graph
             fused = kept = quantized = 0
-            for layer, nodes in regions(graph).items():
+            for layer, nodes in regions(graph, scope=SCOPE).items():
                 q = int4_experts(ckpt, layer) if self.quantized else None
                 if reason := self.fuse(graph, layer, nodes, ckpt.dims, weights, bindings, q):
                     ctx.log(f"{kind} graph, layer {layer}: experts left in standard ops: {reason}")
@@ -127,10 +95,10 @@ class FuseMoe:
              ) -> str | None:
         """Rewrite one layer's region (QMoE when `q` holds its int4 experts); return why not instead
         when the region is not the expected shape."""
-        p = f"model.layers.{layer}.mlp.experts"
+        p = QWEN_NAMES.experts(QWEN_NAMES.mlp(layer))
         # Nodes computing constants (a zeros tensor) may be shared with other layers after the
         # exporter's CSE: they stay, and go only if nothing else reads them.
-        constants = [n for n in nodes if all(constant(v) for v in n.inputs)]
+        constants = [n for n in nodes if all(is_constant(v) for v in n.inputs)]
         nodes = [n for n in nodes if n not in constants]
         members = set(nodes)
         sources = [stack_source(weights, bindings, graph.initializers.get(f"{p}.{w}"), members)
@@ -169,7 +137,7 @@ class FuseMoe:
         old = outputs[0]
         new = ir.Value(name=f"{old.name}_moe", shape=old.shape, type=old.type)
         moe = ir.Node(MS_DOMAIN, op, [x, logits[0], *operands], attrs, outputs=[new],
-                      name=f"/model/layers.{layer}/mlp/experts/{op}")
+                      name=f"{QWEN_NAMES.experts_scope(layer)}/{op}")
         graph.insert_before(nodes[-1], moe)
         old.replace_all_uses_with(new)
         for node in reversed(nodes):
@@ -232,7 +200,7 @@ def int4_experts(ckpt: object, layer: int) -> dict[str, list[Int4Weight]] | None
     one power-of-two group ≥ 16 dividing K; else None (they run dequantised in MoE)."""
     quantized = ckpt.quantized  # type: ignore[attr-defined]
     e = ckpt.dims.experts  # type: ignore[attr-defined]
-    q = {proj: [quantized.get(f"model.layers.{layer}.mlp.experts.{x}.{proj}_proj.weight") for x in range(e)]
+    q = {proj: [quantized.get(QWEN_NAMES.expert(QWEN_NAMES.mlp(layer), x, proj)) for x in range(e)]
          for proj in ("gate", "up", "down")}
     flat = [w for ws in q.values() for w in ws]
     if not all(isinstance(w, Int4Weight) and w.symmetric and w.fmt == "compressed-tensors" for w in flat):

@@ -17,16 +17,16 @@ statistics go through Casts, or the hybrids' zero-centred norms) is left to ONNX
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
-from qwen2om.passes.lower_int4 import MS_DOMAIN
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.families import QWEN_NAMES
+from qwen2om.graph_rewrite import MS_DOMAIN
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
-NORM = re.compile(r"^(/model/layers\.\d+/(input|post_attention)_layernorm|/model/norm)/")
+NORM = QWEN_NAMES.norm_scope_re()
 PATTERN = ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul"]
 
 
@@ -49,13 +49,13 @@ class FuseNorm:
     """Residual Add + RMSNorm → one com.microsoft::SkipSimplifiedLayerNormalization (ONNX Runtime)."""
 
     name: ClassVar[str] = "fuse_norm"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal")
     produces: ClassVar[tuple[str, ...]] = ("norms_fused",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ws["norms_fused"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         stats: dict[str, int | float | str] = {}  # per graph: a sum counts each layer's norms twice
-        for kind, model in ws.need("graphs").items():
+        for kind, model in state.graphs.items():
             here = sum(self.fuse(model.graph, scope, nodes) for scope, nodes in norm_regions(model.graph).items())
             if here:
                 model.opset_imports[MS_DOMAIN] = 1

@@ -28,8 +28,8 @@ import numpy as np
 import onnx_ir as ir
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import const
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.graph_rewrite import const
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
@@ -152,12 +152,13 @@ class LegalizeOrt:
 
     name: ClassVar[str] = "legalize_ort"
     requires: ClassVar[tuple[str, ...]] = ("graphs",)
-    produces: ClassVar[tuple[str, ...]] = ("legal_graphs",)
+    produces: ClassVar[tuple[str, ...]] = ("graphs_legal",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         r = ctx.recipe
         renamed = stripped = versions = sliced = dropped = kept = 0
-        for kind, model in ws.need("graphs").items():
+        for kind, model in state.graphs.items():
             graph = model.graph
             if bad := bf16_tensors(graph):
                 raise Qwen2omError(f"{kind} graph has bf16 tensors, which no target accepts: {bad[:5]}")
@@ -186,7 +187,6 @@ class LegalizeOrt:
             if model.ir_version != r.ir_version:
                 model.ir_version, versions = r.ir_version, versions + 1
             model.producer_name, model.producer_version = "qwen2om", ctx.tool_version
-        ws["legal_graphs"] = True
         changed = bool(renamed or stripped or versions or sliced or dropped)
         return PassResult(changed, {"nodes_renamed": renamed, "metadata_stripped": stripped,
                                     "ir_version_set": versions, "shapes_sliced": sliced, "allowzero_dropped": dropped,

@@ -25,123 +25,31 @@ weights in memory, the speed of a float model); with scales as inputs it cannot.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
 import torch
 
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.families import QWEN_NAMES
+from qwen2om.graph_rewrite import (
+    FP8_SCALE,
+    const,
+    derived_initializer,
+    expert_stacks,
+    quantized_matmuls,
+    replace_stack_uses,
+    scale_input,
+    scoped_op,
+)
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.quant import fp8
 from qwen2om.quantized import Fp8Weight
 from qwen2om.weights import WeightRef
 
 STORAGES = ("float8", "bytes")
 WEIGHT_SUFFIX = ".weight_fp8"
-SCALE_SUFFIX = ".weight_fp8_scale"  # scale_inputs finds FP8 scales by this suffix
 FP8_OPSET, FP8_IR = 19, 9
-STACK = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)$")  # SparseMoE's expert stacks
-
-
-def expert_stacks(graph: ir.Graph, ckpt: Any) -> Iterator[tuple[ir.Value, str, str, dict[str, list[Any]]]]:
-    """Each MoE layer's float expert stack still in use (`gate_up` or `down`), with its layer prefix,
-    which stack it is, and the checkpoint's quantised weight of each of its projections per expert
-    (None where an expert's weight is not quantised); a snapshot, so the caller may rewrite as it goes."""
-    for init in list(graph.initializers.values()):
-        m = STACK.match(init.name or "")
-        if m is None or not init.uses():
-            continue
-        p, which = m.group(1), m.group(2)
-        projs = ("gate", "up") if which == "gate_up" else ("down",)
-        yield init, p, which, {proj: [ckpt.quantized.get(f"{p}.experts.{e}.{proj}_proj.weight")
-                                      for e in range(ckpt.dims.experts)] for proj in projs}
-
-
-def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
-    """A small inline constant, shared by name."""
-    if name in graph.initializers:
-        return graph.initializers[name]
-    v = ir.Value(name=name, shape=ir.Shape(value.shape), type=ir.TensorType(ir.DataType.from_numpy(value.dtype)),
-                 const_value=ir.tensor(value, name=name))
-    graph.register_initializer(v)
-    return v
-
-
-def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value, scales: list[ir.Value],
-                       dequant: Callable[[list[ir.Node], ir.Value, list[ir.Value], int], ir.Value]) -> None:
-    """Point every use of the float expert stack `init` at `dequant(nodes, bytes, scales, lead)`.
-
-    A GatherND of the routed experts (decode) becomes GatherNDs of the bytes and the scale stacks,
-    dequantised after, so a step dequantises k experts, not E; any other use (prefill's MatMul)
-    gets the whole stack, dequantised once at the top of the graph."""
-    full: ir.Value | None = None
-    for node, _ in list(init.uses()):
-        nodes: list[ir.Node] = []
-        if node.op_type == "GatherND" and node.inputs[0] is init:
-            idx = node.inputs[1]
-            lead = len(idx.shape) - 1 if idx.shape is not None else 2
-            gathered = [LowerFp8.op(nodes, scope, "GatherND", v, idx) for v in (wq, *scales)]
-            out = dequant(nodes, gathered[0], gathered[1:], lead)
-            graph.insert_before(node, nodes)
-            old = node.outputs[0]
-            out.shape, out.type = old.shape, old.type
-            old.replace_all_uses_with(out)
-            graph.remove(node, safe=True)
-            continue
-        if full is None:
-            full = dequant(nodes, wq, scales, 1)
-            full.shape, full.type = init.shape, init.type
-            graph.insert_before(graph.node(0), nodes)
-        node.replace_input_with(list(node.inputs).index(init), full)
-    if not init.uses():
-        graph.initializers.pop(init.name)
-
-
-def derived_initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights: Any, name: str,
-                        dtype: ir.DataType, shape: list[int], produce: Callable[[], torch.Tensor]) -> ir.Value:
-    """An initializer that write_onnx fills from `produce()` (int4 / FP8 storage, scales), once per
-    name whatever the number of graphs using it."""
-    if name in graph.initializers:
-        return graph.initializers[name]
-    v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
-    graph.initializers.add(v)
-    weights.derived[name] = produce
-    bindings[name] = WeightRef(name)
-    return v
-
-
-def quantized_matmuls(graph: ir.Graph, bindings: dict[str, WeightRef], quantized: dict[str, Any],
-                      kind: type) -> list[tuple[ir.Node, Any]]:
-    """The graph's `MatMul(x, Wᵀ)` nodes whose weight is a checkpoint weight of type `kind`
-    (Int4Weight, Fp8Weight), with it; a snapshot, so the caller may rewrite as it goes."""
-    found = []
-    for node in list(graph):
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-            continue
-        w = node.inputs[1]
-        ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
-        q = quantized.get(ref.source) if ref is not None and ref.transpose else None
-        if isinstance(q, kind):
-            found.append((node, q))
-    return found
-
-
-def replace_matmul(graph: ir.Graph, node: ir.Node, new: list[ir.Node], out: ir.Value) -> None:
-    """Put `new` (computing `out`) where the MatMul `node` was: `out` takes its output's name, shape
-    and uses (a graph output, the fp32 LM head's `logits`, included); its weight goes when unused."""
-    old, w = node.outputs[0], node.inputs[1]
-    graph.insert_before(node, new)
-    out.shape, out.type = old.shape, old.type
-    if old.is_graph_output():  # first: replace_all_uses_with refuses a graph output
-        graph.outputs[list(graph.outputs).index(old)] = out
-    old.replace_all_uses_with(out)
-    name = old.name
-    graph.remove(node, safe=True)
-    out.name = name
-    if w is not None and not w.uses():
-        graph.initializers.pop(w.name)
 
 
 def e4m3_table() -> np.ndarray:
@@ -154,8 +62,9 @@ class LowerFp8:
     """FP8 MatMuls → e4m3fn weight + float32 block scale, dequantised in the graph (no-op for other models)."""
 
     name: ClassVar[str] = "lower_fp8"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
-    produces: ClassVar[tuple[str, ...]] = ("fp8_lowered",)
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("fp8_lowered", "stacked_scales")
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
     def __init__(self, storage: str = "float8", experts: bool = False) -> None:
         """`experts`: keep MoE experts FP8 in the graph (see lower_expert_stacks). Off by default: on
@@ -164,16 +73,17 @@ class LowerFp8:
             raise ValueError(f"storage must be one of {', '.join(STORAGES)}, not {storage!r}")
         self.storage, self.experts = storage, bool(experts)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt = ws.need("checkpoint")
-        weights, bindings = ws.need("weights")
-        ws["fp8_lowered"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt = state.checkpoint
+        weights, bindings = state.weights, state.bindings
+        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
+            state.stacked_scales = {}
         if not any(q.kind == "fp8" for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         compute = ir.DataType.FLOAT if weights.dtype == torch.float32 else ir.DataType.FLOAT16
         self.raw = ckpt.raw
         lowered, stacks = 0, 0
-        for model in ws.need("graphs").values():
+        for model in state.graphs.values():
             graph = model.graph
             for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Fp8Weight):
                 w = node.inputs[1]
@@ -183,14 +93,14 @@ class LowerFp8:
                     graph.initializers.pop(w.name)
                 lowered += 1
             if self.experts:
-                stacks += self.lower_expert_stacks(ws, graph, ckpt, weights, bindings, compute)
+                stacks += self.lower_expert_stacks(state, graph, ckpt, weights, bindings, compute)
             if self.storage == "float8":
                 model.opset_imports[""] = max(model.opset_imports.get("", FP8_OPSET), FP8_OPSET)
                 model.ir_version = max(model.ir_version or FP8_IR, FP8_IR)
         return PassResult(True, {"lowered": lowered, "expert_stacks": stacks, "storage": self.storage})
 
     # -- MoE expert stacks -------------------------------------------------------------------------
-    def lower_expert_stacks(self, ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any,
+    def lower_expert_stacks(self, state: ConvertState, graph: ir.Graph, ckpt: Any, weights: Any,
                             bindings: dict[str, WeightRef], compute: ir.DataType) -> int:
         """Each FP8 MoE layer's `gate_up` [E, H, 2I] and `down` [E, I, H] stacks stay e4m3fn bytes (uint8,
         decoded by table: GatherND takes no float8 tensor), with one stacked float32 scale per
@@ -203,7 +113,7 @@ class LowerFp8:
             if not all(isinstance(q, Fp8Weight) for group in qs.values() for q in group):
                 continue  # float (or int4) experts: the stack stays as converted
             wq = self.expert_bytes(graph, weights, bindings, p, which, qs, list(init.shape))
-            scales = {proj: self.expert_scales(ws, graph, weights, bindings, p, proj, qs[proj], ckpt)
+            scales = {proj: self.expert_scales(state, graph, weights, bindings, p, proj, qs[proj], ckpt)
                       for proj in projs}
             scope = f"/{p}/{which}/fp8"
             replace_stack_uses(graph, init, scope, wq, list(scales.values()),
@@ -214,7 +124,7 @@ class LowerFp8:
 
     def expert_bytes(self, graph: ir.Graph, weights: Any, bindings: dict[str, WeightRef], p: str, which: str,
                      qs: dict[str, list[Fp8Weight]], shape: list[int]) -> ir.Value:
-        name = f"{p}.experts.{which}{WEIGHT_SUFFIX}"
+        name = QWEN_NAMES.stack(p, which) + WEIGHT_SUFFIX
         if name in graph.initializers:
             return graph.initializers[name]
         ckpt_raw = self.raw
@@ -229,15 +139,16 @@ class LowerFp8:
         bindings[name] = WeightRef(name)
         return v
 
-    def expert_scales(self, ws: Workspace, graph: ir.Graph, weights: Any, bindings: dict[str, WeightRef], p: str,
+    def expert_scales(self, state: ConvertState, graph: ir.Graph, weights: Any, bindings: dict[str, WeightRef], p: str,
                       proj: str, qs: list[Fp8Weight], ckpt: Any) -> ir.Value:
-        name = f"{p}.experts.{proj}_proj{SCALE_SUFFIX}"
+        name = QWEN_NAMES.stacked_proj(p, proj) + FP8_SCALE
         shape = [len(qs), *qs[0].scale_shape]
         v = derived_initializer(graph, bindings, weights, name, ir.DataType.FLOAT, shape,
                          lambda: torch.stack([q.scale(ckpt) for q in qs]).contiguous())
-        ws.setdefault("stacked_scales", {})[name] = {
-            "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale_inv",
-            "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight", "shape": shape,
+        every = QWEN_NAMES.expert_module(p, proj)  # each expert's, as `….experts.*.gate_proj`
+        state.stacked_scales[name] = {
+            "input": scale_input(QWEN_NAMES.stacked_proj(p, proj)), "source": f"{every}.weight_scale_inv",
+            "module": every, "weight": f"{every}.weight", "shape": shape,
             "experts": len(qs), "block_size": list(qs[0].block), "scheme": "fp8", "format": qs[0].fmt,
             "values": lambda: torch.stack([q.scale(ckpt) for q in qs]).contiguous()}
         return v
@@ -268,14 +179,7 @@ class LowerFp8:
                         const(graph, f"/fp8/axes_{lead}_{lead + 1}", np.array([lead, lead + 1], i64)))
         return r
 
-    @staticmethod
-    def op(nodes: list[ir.Node], p: str, kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
-        attributes = [ir.AttrInt64(a, v) if isinstance(v, int) else ir.AttrInt64s(a, v)  # type: ignore[arg-type]
-                      for a, v in attrs.items()]
-        node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"{p}/{kind}_{len(nodes)}")
-        node.outputs[0].name = f"{p}/{kind}_{len(nodes)}_out"
-        nodes.append(node)
-        return node.outputs[0]
+    op = staticmethod(scoped_op)
 
     def dequantize(self, graph: ir.Graph, q: Fp8Weight, ckpt: object, weights: object,
                    bindings: dict[str, WeightRef], compute: ir.DataType) -> ir.Value:
@@ -285,17 +189,13 @@ class LowerFp8:
         stored = ir.DataType.FLOAT8E4M3FN if self.storage == "float8" else ir.DataType.UINT8
         wq = derived_initializer(graph, bindings, weights, q.base + WEIGHT_SUFFIX, stored, [k, n],
                           lambda: ckpt.raw(q.name).T.contiguous().view(torch.uint8))  # type: ignore[attr-defined]
-        s = derived_initializer(graph, bindings, weights, q.base + SCALE_SUFFIX, ir.DataType.FLOAT, [gn, gk],
+        s = derived_initializer(graph, bindings, weights, q.base + FP8_SCALE, ir.DataType.FLOAT, [gn, gk],
                          lambda: q.scale(ckpt).contiguous())
         p = f"/{q.base}/fp8"
         nodes: list[ir.Node] = []
 
         def op(kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
-            attributes = [ir.AttrInt64(a, v) if isinstance(v, int) else ir.AttrInt64s(a, v) for a, v in attrs.items()]
-            node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"{p}/{kind}_{len(nodes)}")
-            node.outputs[0].name = f"{p}/{kind}_{len(nodes)}_out"
-            nodes.append(node)
-            return node.outputs[0]
+            return scoped_op(nodes, p, kind, *inputs, **attrs)
 
         i64 = np.int64
         tiled = op("Reshape", op("Expand", op("Unsqueeze", op("Transpose", s, perm=[1, 0]),

@@ -23,20 +23,24 @@ import onnx_ir as ir
 import torch
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import (
+from qwen2om.families import QWEN_NAMES
+from qwen2om.graph_rewrite import (
+    MS_DOMAIN,
+    NBITS_SCALE,
+    NBITS_WEIGHT,
+    NBITS_ZERO_POINT,
     const,
     derived_initializer,
     expert_stacks,
     quantized_matmuls,
     replace_matmul,
     replace_stack_uses,
+    scale_input,
+    scoped_op,
 )
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.quantized import Int4Weight
 from qwen2om.weights import WeightRef
-
-MS_DOMAIN = "com.microsoft"
-NBITS_SCALE = ".weight_nbits_scale"  # scale_inputs finds int4 scales by this suffix
 
 
 @register
@@ -44,8 +48,9 @@ class LowerInt4:
     """Quantised MatMuls → com.microsoft::MatMulNBits with the checkpoint's int4 storage (no-op for float models)."""
 
     name: ClassVar[str] = "lower_int4"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
-    produces: ClassVar[tuple[str, ...]] = ("int4_lowered",)
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("int4_lowered", "stacked_scales")
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
     def __init__(self, accuracy_level: int = 0, experts: bool = False) -> None:
         """`experts`: keep MoE experts int4 in the graph (gathered bytes, see lower_int4_stacks). Off
@@ -55,16 +60,17 @@ class LowerInt4:
             raise ValueError(f"accuracy_level must be 0-4, not {accuracy_level}")
         self.accuracy_level, self.experts = accuracy_level, bool(experts)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt = ws.need("checkpoint")
-        weights, bindings = ws.need("weights")
-        ws["int4_lowered"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt = state.checkpoint
+        weights, bindings = state.weights, state.bindings
+        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
+            state.stacked_scales = {}
         if not any(q.kind == "int4" for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         dtype = weights.dtype
         onnx_dtype = ir.DataType.FLOAT if dtype == torch.float32 else ir.DataType.FLOAT16
         lowered = 0
-        for model in ws.need("graphs").values():
+        for model in state.graphs.values():
             graph = model.graph
             for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Int4Weight):  # not FP8: lower_fp8's
                 if q.k % q.group or q.group < 16 or q.group & (q.group - 1):
@@ -72,14 +78,14 @@ class LowerInt4:
                                        f"this checkpoint has group {q.group}")
                 blocks = q.k // q.group
                 inputs = [node.inputs[0],
-                          derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits", ir.DataType.UINT8,
+                          derived_initializer(graph, bindings, weights, f"{q.base}{NBITS_WEIGHT}", ir.DataType.UINT8,
                                               [q.n, blocks, q.group // 2],
                                               lambda q=q: q.nbits_b(ckpt)),
-                          derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits_scale", onnx_dtype,
+                          derived_initializer(graph, bindings, weights, f"{q.base}{NBITS_SCALE}", onnx_dtype,
                                               [q.n * blocks],
                                               lambda q=q: q.unpacked(ckpt)[1].to(dtype).reshape(-1))]
                 if q.has_zero_point:
-                    inputs.append(derived_initializer(graph, bindings, weights, f"{q.base}.weight_nbits_zero_point",
+                    inputs.append(derived_initializer(graph, bindings, weights, f"{q.base}{NBITS_ZERO_POINT}",
                                                       ir.DataType.UINT8, [q.n * ((blocks + 1) // 2)],
                                                       lambda q=q: q.nbits_zero_points(ckpt)))
                 new = ir.Node(MS_DOMAIN, "MatMulNBits", inputs, [
@@ -89,15 +95,15 @@ class LowerInt4:
                 replace_matmul(graph, node, [new], new.outputs[0])
                 lowered += 1
             model.opset_imports[MS_DOMAIN] = 1
-        stacks = sum(lower_int4_stacks(ws, model.graph, ckpt, weights, bindings, onnx_dtype)
-                     for model in ws.need("graphs").values()) if self.experts else 0
+        stacks = sum(lower_int4_stacks(state, model.graph, ckpt, weights, bindings, onnx_dtype)
+                     for model in state.graphs.values()) if self.experts else 0
         stats = {"lowered": lowered, "accuracy_level": self.accuracy_level}
         return PassResult(True, stats | ({"expert_stacks": stacks} if stacks else {}))
 
 
 
 # -- MoE expert stacks ---------------------------------------------------------------------------
-def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, bindings: dict[str, WeightRef],
+def lower_int4_stacks(state: ConvertState, graph: ir.Graph, ckpt: Any, weights: Any, bindings: dict[str, WeightRef],
                       compute: ir.DataType) -> int:
     """Symmetric int4 experts stay int4 in the graph: each layer's `gate_up` / `down` stack becomes the
     experts' packed bytes [E, N, K/2] plus one scale stack per projection [E, N, K/group]; decode
@@ -114,7 +120,7 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
             continue
         n = sum(group[0].n for group in qs.values())
         k, g = flat[0].k, flat[0].group
-        name = f"{p}.experts.{which}.weight_int4"
+        name = f"{QWEN_NAMES.stack(p, which)}.weight_int4"
         if name not in graph.initializers:
             def part(e: int, qs: dict[str, list[Int4Weight]] = qs) -> torch.Tensor:
                 return torch.cat([group[e].nbits_b(ckpt).reshape(group[e].n, group[e].k // 2) for group in qs.values()])
@@ -126,15 +132,16 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
         wq = graph.initializers[name]
         scales = []
         for proj, group in qs.items():
-            sname = f"{p}.experts.{proj}_proj{NBITS_SCALE}"
+            sname = QWEN_NAMES.stacked_proj(p, proj) + NBITS_SCALE
+            every = QWEN_NAMES.expert_module(p, proj)  # each expert's, as `….experts.*.gate_proj`
             shape = [len(group), group[0].n, k // g]
             def values(group: list[Int4Weight] = group) -> torch.Tensor:
                 return torch.stack([q.unpacked(ckpt)[1].float() for q in group]).contiguous()
 
             scales.append(derived_initializer(graph, bindings, weights, sname, ir.DataType.FLOAT, shape, values))
-            ws.setdefault("stacked_scales", {})[sname] = {  # for `scales: inputs` (scale_inputs.py)
-                "input": f"{p}.experts.{proj}_proj.weight.scale", "source": f"{p}.experts.*.{proj}_proj.weight_scale",
-                "module": f"{p}.experts.*.{proj}_proj", "weight": f"{p}.experts.*.{proj}_proj.weight",
+            state.stacked_scales[sname] = {  # for `scales: inputs` (scale_inputs.py)
+                "input": scale_input(QWEN_NAMES.stacked_proj(p, proj)), "source": f"{every}.weight_scale",
+                "module": every, "weight": f"{every}.weight",
                 "shape": shape, "experts": len(group), "group_size": g, "scheme": "int4", "format": group[0].fmt,
                 "values": values}
         scope = f"{p}/{which}"
@@ -146,12 +153,7 @@ def lower_int4_stacks(ws: Workspace, graph: ir.Graph, ckpt: Any, weights: Any, b
 
 
 def op(nodes: list[ir.Node], p: str, kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
-    attributes = [ir.AttrString(a, v) if isinstance(v, str) else ir.AttrInt64(a, v) if isinstance(v, int)
-                  else ir.AttrInt64s(a, v) for a, v in attrs.items()]  # type: ignore[arg-type]
-    node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"/{p}/int4/{kind}_{len(nodes)}")
-    node.outputs[0].name = f"/{p}/int4/{kind}_{len(nodes)}_out"
-    nodes.append(node)
-    return node.outputs[0]
+    return scoped_op(nodes, f"/{p}/int4", kind, *inputs, **attrs)
 
 
 def unpack_dequant(graph: ir.Graph, nodes: list[ir.Node], p: str, wq: ir.Value, scales: list[ir.Value], lead: int,

@@ -41,10 +41,9 @@ import torch
 
 from qwen2om.ascend import soc_info
 from qwen2om.errors import Qwen2omError
+from qwen2om.graph_rewrite import NBITS_SCALE, const, derived_initializer, quantized_matmuls, replace_matmul
 from qwen2om.kernels.ascend import NPU_DOMAIN, WQBMM, pack_int4_int32
-from qwen2om.passes.lower_fp8 import const, derived_initializer, quantized_matmuls, replace_matmul
-from qwen2om.passes.lower_int4 import NBITS_SCALE
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.quantized import Int4Weight, QuantWeight
 from qwen2om.weights import WeightRef
 
@@ -80,19 +79,21 @@ class LowerInt4Ascend:
     """Quantised MatMuls → npu::WeightQuantBatchMatmulV2 (W4A16) or int8 + Cast/Add/Mul (W8A16, 310B/310P)."""
 
     name: ClassVar[str] = "lower_int4_ascend"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights", "checkpoint")
-    produces: ClassVar[tuple[str, ...]] = ("int4_lowered",)
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint")
+    produces: ClassVar[tuple[str, ...]] = ("int4_lowered", "stacked_scales")
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt = ws.need("checkpoint")
-        weights, bindings = ws.need("weights")
-        ws["int4_lowered"] = True
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt = state.checkpoint
+        weights, bindings = state.weights, state.bindings
+        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
+            state.stacked_scales = {}
         r = ctx.recipe
         form = int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=weights.dtype == torch.float16)
         if form is None:
             return PassResult(False, {"lowered": 0})
         lowered = 0
-        for model in ws.need("graphs").values():
+        for model in state.graphs.values():
             graph = model.graph
             for node, q in quantized_matmuls(graph, bindings, ckpt.quantized, Int4Weight):
                 nodes: list[ir.Node] = []

@@ -31,8 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from qwen2om.errors import Qwen2omError
-from qwen2om.passes.lower_fp8 import const
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.graph_rewrite import const
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
 
 def _node(nodes: list[ir.Node], name: str, op: str, inputs: list[ir.Value], dtype: ir.DataType,
@@ -99,12 +99,13 @@ class LowerTopkAscend:
     """Routing TopK (int64 k and indices, which GE's TopK does not take) → k ArgMax rounds."""
 
     name: ClassVar[str] = "lower_topk_ascend"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal")
     produces: ClassVar[tuple[str, ...]] = ("topk_lowered",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         lowered = 0
-        for model in ws.need("graphs").values():
+        for model in state.graphs.values():
             graph = model.graph
             for node in [n for n in graph if n.op_type == "TopK" and n.domain in ("", "ai.onnx")]:
                 nodes, values, indices = topk_rounds(graph, node)
@@ -119,5 +120,4 @@ class LowerTopkAscend:
                 for new, name in zip((values, indices), names, strict=True):
                     new.name = name  # the exporter's names, so the rest of the graph reads as before
                 lowered += 1
-        ws["topk_lowered"] = True
         return PassResult(lowered > 0, {"lowered": lowered})

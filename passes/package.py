@@ -10,7 +10,7 @@ from typing import ClassVar
 from qwen2om.checkpoint import TOKENIZER_FILES, check_tokenizer_sources
 from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
 # Every tokenizer file a Hugging Face checkpoint may carry (qwen2om.checkpoint.TOKENIZER_FILES) is copied into
 # OUT when present: run.py renders the chat template from chat_template.jinja / tokenizer_config.json
@@ -65,8 +65,8 @@ class Package:
     requires: ClassVar[tuple[str, ...]] = ("checkpoint", "graphs", "onnx_files")
     produces: ClassVar[tuple[str, ...]] = ("package_files",)
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt, stage = ws.need("checkpoint"), ctx.stage_dir
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt, stage = state.checkpoint, ctx.stage_dir
         written: list[Path] = []
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
             if (ckpt.root / name).exists() or (ckpt.root / name).is_symlink():
@@ -81,7 +81,7 @@ class Package:
         run_py.chmod(0o755)
         (stage / "graphs").mkdir(exist_ok=True)
         summary = stage / "graphs" / "summary.txt"
-        summary.write_text("".join(graph_summary(k, m) for k, m in ws.need("graphs").items()))
+        summary.write_text("".join(graph_summary(k, m) for k, m in state.graphs.items()))
         written += [run_py, summary]
-        ws["package_files"] = written
+        state.package_files = written
         return PassResult(True, {"files": len(written)})

@@ -25,14 +25,13 @@ import onnx_ir as ir
 import torch
 from safetensors.torch import save_file
 
-from qwen2om.passes.lower_fp8 import SCALE_SUFFIX as FP8_SCALE
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.graph_rewrite import FP8_SCALE, NBITS_SCALE, scale_input
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.quantized import QuantWeight
 from qwen2om.signature import ROLE_SCALE, IOSpec
 
 SCALE_MAP = "scale_map.json"
 SCALES_FILE = "scales.safetensors"
-NBITS_SCALE = ".weight_nbits_scale"
 
 
 @register
@@ -40,22 +39,25 @@ class ScaleInputs:
     """With `scales: inputs`, turn each quantised MatMul's scales into a `<weight>.scale` graph input."""
 
     name: ClassVar[str] = "scale_inputs"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "int4_lowered", "checkpoint")
+    # after both lowering passes: the scales it lifts are the initializers they leave in the graph
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "weights", "bindings", "checkpoint",
+                                           "stacked_scales", "int4_lowered", "fp8_lowered")
     produces: ClassVar[tuple[str, ...]] = ("scale_map",)
+    modifies: ClassVar[tuple[str, ...]] = ("graphs", "signatures", "weights", "bindings")
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt = ws.need("checkpoint")
-        ws["scale_map"] = {}
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt = state.checkpoint
+        state.scale_map = {}
         mode = scale_mode(ctx.recipe.scales, ckpt.quantized)
         if mode != "inputs":
             return PassResult(False, {"scales": mode, "scale_inputs": 0})
-        weights, bindings = ws.need("weights")
+        weights, bindings = state.weights, state.bindings
         entries: dict[str, dict[str, Any]] = {}
         values: dict[str, torch.Tensor] = {}
-        stacked = ws.get("stacked_scales", {})  # MoE: one [E, ...] scale per layer and projection
-        for kind, model in ws.need("graphs").items():
+        stacked = (state.stacked_scales or {})  # MoE: one [E, ...] scale per layer and projection
+        for kind, model in state.graphs.items():
             graph = model.graph
-            inputs, outputs = ws["signatures"][kind]
+            inputs, outputs = state.signatures[kind]
             added: list[IOSpec] = []
             for init in list(graph.initializers.values()):
                 base = next((init.name.removesuffix(sfx) for sfx in (NBITS_SCALE, FP8_SCALE)
@@ -79,7 +81,7 @@ class ScaleInputs:
                         values[name] = info["values"]()
                     continue
                 q = ckpt.quantized[f"{base}.weight"]
-                name = f"{base}.weight.scale"
+                name = scale_input(base)
                 value = ir.Value(name=name, shape=ir.Shape(list(q.scale_shape)), type=ir.TensorType(ir.DataType.FLOAT))
                 graph.inputs.append(value)
                 init.replace_all_uses_with(self.adapt(graph, value, init, base))
@@ -91,11 +93,11 @@ class ScaleInputs:
                 if name not in entries:
                     entries[name] = entry(q, layer)
                     values[name] = scale_values(q, ckpt)
-            ws["signatures"][kind] = (inputs + added, outputs)
+            state.signatures[kind] = (inputs + added, outputs)
         stage = ctx.stage_dir
         save_file(dict(sorted(values.items())), str(stage / SCALES_FILE), metadata={"format": "pt"})
         (stage / SCALE_MAP).write_text(json.dumps(dict(sorted(entries.items())), indent=2) + "\n")
-        ws["scale_map"] = entries
+        state.scale_map = entries
         return PassResult(True, {"scales": mode, "scale_inputs": len(entries)})
 
     @staticmethod

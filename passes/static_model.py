@@ -6,11 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.families import family_of
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.replicate import layer_kinds, template_layers
-from qwen2om.rope import rope_tables
-from qwen2om.static_hybrid import StaticHybrid, hybrid_rope_tables
-from qwen2om.static_model import StaticQwen
 from qwen2om.weights import Weights
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -22,16 +20,14 @@ class BuildStaticModel:
 
     name: ClassVar[str] = "static_model"
     requires: ClassVar[tuple[str, ...]] = ("checkpoint",)
-    produces: ClassVar[tuple[str, ...]] = ("static_model", "template_model", "weights")
+    produces: ClassVar[tuple[str, ...]] = ("static_model", "template_model", "weights", "bindings")
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
-        ckpt, r = ws.need("checkpoint"), ctx.recipe
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
+        ckpt, r = state.checkpoint, ctx.recipe
         dtype = TORCH_DTYPES[r.dtype]
-        static: type[StaticQwen] | type[StaticHybrid] = StaticHybrid if ckpt.arch.hybrid else StaticQwen
-        if ckpt.arch.hybrid:
-            cos, sin = hybrid_rope_tables(ckpt.config, ckpt.dims, int(r.max_seq_len))
-        else:
-            cos, sin = rope_tables(ckpt.config, int(r.max_seq_len))
+        family = family_of(ckpt.arch)
+        static = family.static_model
+        cos, sin = family.rope_tables(ckpt.config, ckpt.dims, int(r.max_seq_len))
         shapes = {name: ckpt.shape(name) for name in (*ckpt.names(), *ckpt.quantized)}
         weights = Weights(ckpt.get, shapes, dtype, lazy=True, sliced=True)
         fused = ckpt.fused_experts
@@ -40,7 +36,7 @@ class BuildStaticModel:
         # The first layers (two; hybrids four) are what export_onnx traces; it clones the rest from them.
         template = static(ckpt.arch, ckpt.dims, weights, cos, sin, logits_last=r.logits == "last",
                           layers=template_layers(layer_kinds(ckpt.dims)), fused_experts=fused).eval()
-        ws["static_model"], ws["weights"] = model, (weights, weights.bindings(model))
-        ws["template_model"] = template
+        state.static_model, state.weights, state.bindings = model, weights, weights.bindings(model)
+        state.template_model = template
         params = sum(p.numel() for p in model.parameters())
         return PassResult(True, {"parameters": params, "dtype": r.dtype, "rope_rows": int(r.max_seq_len)})

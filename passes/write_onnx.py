@@ -32,17 +32,14 @@ import ml_dtypes
 import onnx
 import onnx_ir as ir
 
-from qwen2om.pipeline import PassResult, RunContext, Workspace, register
+from qwen2om.output import graph_file
+from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.weights import WeightRef, Weights
 
 DATA_FILE = "model.onnx.data"
 ALIGN = 4096
 SYNC_BYTES = 256 << 20  # journal at least this often (and at every finished layer)
 LAYER = re.compile(r"\blayers\.(\d+)\.")
-
-
-def graph_file(kind: str) -> str:
-    return f"model.{kind}.onnx"
 
 
 @dataclasses.dataclass
@@ -201,16 +198,17 @@ class WriteOnnx:
     """Save model.<kind>.onnx files and the shared model.onnx.data into the staging directory."""
 
     name: ClassVar[str] = "write_onnx"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "legal_graphs", "weights")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings")
     produces: ClassVar[tuple[str, ...]] = ("onnx_files",)
+    freezes: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
 
     def __init__(self, inline_limit: int = 1024) -> None:
         self.inline_limit = inline_limit
 
-    def __call__(self, ws: Workspace, ctx: RunContext) -> PassResult:
+    def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         stage: Path = ctx.stage_dir
-        weights, bindings = ws.need("weights")
-        graphs: dict[str, ir.Model] = ws.need("graphs")
+        weights, bindings = state.weights, state.bindings
+        graphs: dict[str, ir.Model] = state.graphs
         layout, where = plan(graphs, weights, bindings, self.inline_limit)
         fingerprint = layout.fingerprint()
         writer = DataWriter(stage / DATA_FILE, layout.end, weights)
@@ -229,7 +227,7 @@ class WriteOnnx:
             files[kind] = stage / graph_file(kind)
             onnx.save_model(ir.to_proto(model), files[kind])
         files["data"] = stage / DATA_FILE
-        ws["onnx_files"] = files
+        state.onnx_files = files
         shared = len(where) - len(layout.regions)  # initializers that point at a region another wrote
         if reused:
             ctx.log(f"resumed: {reused} of {len(layout.regions)} tensors were already written, re-hashed and kept")

@@ -168,10 +168,17 @@ class ArchSpec:
     shared_expert: bool = False
     # Bundled recipes `<recipe>-<dtype>` this family converts with (default: its own name).
     recipe: str = ""
-    # Hybrids (Qwen3.5 / Qwen3-Next): `layer_types` mixes Gated DeltaNet linear attention with full
-    # attention whose q_proj is twice as wide (query, then a sigmoid output gate, per head), RoPE on a
-    # fraction of head_dim, and RMSNorms that scale by (1 + w).
-    hybrid: bool = False
+    # The model family (qwen2om/families.py) whose static model, layers, norms and RoPE tables convert it.
+    family: str = "dense"
+    # What a family's checkpoints hold and its configs say, as the config reader needs it. The hybrids
+    # (Qwen3.5 / Qwen3-Next): `layer_types` mixes Gated DeltaNet linear attention with full attention
+    # whose output is gated (q_proj twice as wide: query, then a sigmoid output gate, per head).
+    linear_attention: bool = False
+    attn_output_gate: bool = False
+    # The RoPE types the family's tables implement, and whether they may rotate a fraction of head_dim
+    # (rope.py: every static type, whole heads; static_hybrid.py: plain RoPE, partial).
+    rope_types: tuple[str, ...] = STATIC_ROPE
+    partial_rotary: bool = False
     # Qwen3-Next packs the linear layer's projections per key head (`in_proj_qkvz`, `in_proj_ba`);
     # Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
     packed_linear_proj: bool = False
@@ -308,8 +315,8 @@ def refuse_unimplemented(spec: ArchSpec | None, f: ConfigFields) -> None:
         f.implemented("attention_bias", (False,), f"for {spec.name} has no attention bias")
     norm = "always normalises q and k per head" if spec.qk_norm else "has no q/k norm"
     f.implemented("use_qk_norm", (spec.qk_norm,), f"for {spec.name} {norm}")
-    gate = "always gates the attention output" if spec.hybrid else "has no attention output gate"
-    f.implemented("attn_output_gate", (spec.hybrid,), f"for {spec.name} {gate}")
+    gate = "always gates the attention output" if spec.attn_output_gate else "has no attention output gate"
+    f.implemented("attn_output_gate", (spec.attn_output_gate,), f"for {spec.name} {gate}")
 
 
 def rope_settings(spec: ArchSpec | None, f: ConfigFields) -> tuple[float, float]:
@@ -325,21 +332,21 @@ def rope_settings(spec: ArchSpec | None, f: ConfigFields) -> tuple[float, float]
         raise f.error(key, f"must be a mapping, got {shown(params)}")
     p = ConfigFields(params, f.source, f"{f.prefix}{key}.")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    hybrid = bool(spec and spec.hybrid)
-    supported = ("default",) if hybrid else STATIC_ROPE  # static_hybrid.py builds plain RoPE only
+    supported = spec.rope_types if spec else STATIC_ROPE
     if isinstance(rope_type, str) and rope_type in LIVE_ROPE:
         raise CheckpointError(f"{f.source}: {f.prefix}{key}: rope_type {rope_type!r} has no static-shape equivalent "
                               f"({LIVE_ROPE[rope_type]})")
     if not isinstance(rope_type, str) or rope_type not in supported:
+        narrowed = f" for {spec.family}s" if spec and supported != STATIC_ROPE else ""  # " for hybrids"
         raise CheckpointError(f"{f.source}: {p.prefix}rope_type={shown(rope_type)} is not supported (qwen2om's "
-                              f"static model{' for hybrids' if hybrid else ''} implements {', '.join(supported)})")
+                              f"static model{narrowed} implements {', '.join(supported)})")
     theta = p.number("rope_theta") if "rope_theta" in params else f.number("rope_theta", 10_000.0)
     where = p if "partial_rotary_factor" in params else f
     partial = where.number("partial_rotary_factor", 1.0)
     if partial > 1:
         raise where.error("partial_rotary_factor", f"must be at most 1 (the fraction of head_dim RoPE rotates), "
                                                    f"got {partial}")
-    if not hybrid and partial != 1:
+    if not (spec and spec.partial_rotary) and partial != 1:
         raise CheckpointError(f"{f.source}: {where.prefix}partial_rotary_factor={partial} is not supported "
                               f"(qwen2om's static model for {spec.name if spec else 'this model'} rotates the whole "
                               "head)")
@@ -403,7 +410,7 @@ def hybrid_dims(spec: ArchSpec | None, f: ConfigFields, layers: int, head_dim: i
                 partial: float) -> dict[str, Any]:
     """The hybrid fields of ModelDims ({} for a config without linear-attention layers). A hybrid
     architecture must give its linear-attention sizes (transformers' defaults are a 9B model's)."""
-    if not (spec.hybrid if spec is not None else f.cfg.get("linear_num_value_heads")):
+    if not (spec.linear_attention if spec is not None else f.cfg.get("linear_num_value_heads")):
         return {}
     types = layer_types(f, layers, (LINEAR, FULL))
     if types is None:  # transformers derives them from the interval: every Nth layer is full attention
@@ -475,7 +482,7 @@ def expected_tensors(arch: ArchSpec, d: ModelDims, *, fused: bool = False) -> di
             continue
         out |= {
             # Hybrids' full attention: q_proj gives the query and its output gate, interleaved per head.
-            f"{p}.self_attn.q_proj.weight": (2 * q if arch.hybrid else q, d.hidden),
+            f"{p}.self_attn.q_proj.weight": (2 * q if arch.attn_output_gate else q, d.hidden),
             f"{p}.self_attn.k_proj.weight": (kv, d.hidden),
             f"{p}.self_attn.v_proj.weight": (kv, d.hidden),
             f"{p}.self_attn.o_proj.weight": (d.hidden, q),
@@ -528,8 +535,8 @@ QWEN3_5 = ARCHS.add(
     dataclasses.replace(
         QWEN3, name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"),
         hf_architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
-        wrapper_architectures=("Qwen3_5ForConditionalGeneration",), hybrid=True, builtin="tiny-qwen3-5",
-        recipe="qwen3",
+        wrapper_architectures=("Qwen3_5ForConditionalGeneration",), builtin="tiny-qwen3-5", recipe="qwen3",
+        family="hybrid", linear_attention=True, attn_output_gate=True, rope_types=("default",), partial_rotary=True,
     )
 )
 # Every layer's MLP is the MoE block with a gated shared expert; top-k weights always renormalised.

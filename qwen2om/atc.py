@@ -25,10 +25,10 @@ import shlex
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from qwen2om.recipe import MAX_GEARS
+from qwen2om.ascend import SocError, soc_info
 from qwen2om.signature import token_axes
+from qwen2om.targets import MAX_GEARS, PRECISIONS
 
-PRECISIONS = ("origin", "mixed_float16", "fp16")
 LOG_LEVELS = ("error", "info", "debug")
 # Ops kept out of fp16 under mixed precision: RMSNorm's statistics, softmax, and the RoPE tables'
 # trigonometry (ATC's mixlist names are ONNX op types here).
@@ -48,8 +48,6 @@ class AtcOptions:
     log: str = "error"
 
     def check(self) -> None:
-        from qwen2om.ascend import SocError, soc_info
-
         try:
             soc_info(self.soc_version)
         except SocError as e:

@@ -72,17 +72,36 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A checkpoint's config.json and what it resolves to, read once: `convert` chooses the recipe
+    from it, checks it before any work, and opens the Checkpoint with it."""
+
+    root: Path
+    config: dict[str, Any]
+    arch: ArchSpec
+    dims: ModelDims
+
+    @classmethod
+    def read(cls, root: Path) -> ModelConfig:
+        path = Path(root) / "config.json"
+        config = read_json(path, "config.json")
+        return cls(Path(root), config, resolve_arch(config, str(path)), ModelDims.from_config(config, str(path)))
+
+
 class Checkpoint:
     """A checkpoint directory: config, architecture, and a lazy tensor table."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model: ModelConfig | None = None) -> None:
+        """`model`: its config.json as already read (ModelConfig.read), not read again."""
         self.root = Path(root)
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
         self._present("config.json")
-        self.config = read_json(self.root / "config.json", "config.json")
-        self.arch: ArchSpec = resolve_arch(self.config, str(self.root / "config.json"))
-        self.dims = ModelDims.from_config(self.config, str(self.root / "config.json"))
+        model = model or ModelConfig.read(self.root)
+        self.config = model.config
+        self.arch: ArchSpec = model.arch
+        self.dims = model.dims
         self._handles: dict[Path, Shard] = {}
         # Text-model name → the name it is stored under, where they differ (the published wrapper).
         self._stored: dict[str, str] = {}

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -35,6 +35,9 @@ from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from qwen2om.errors import Qwen2omError, caused_by_interrupt
 from qwen2om.runtime.standalone import RuntimeInputError, printable
+
+if TYPE_CHECKING:
+    from qwen2om.inspect import CheckpointInfo
 
 
 def without_flag_metavars(params: list[Any]) -> list[Any]:
@@ -182,12 +185,18 @@ def next_commands(out: Path, manifest: dict[str, Any]) -> list[str]:
             *([f"{run_py} --backend acl --prompt 'Hello'"] if compiled else [])]
 
 
+def as_set(value: object) -> str:
+    """A typed recipe setting as `--set` spells it: gears (16, 32) → 16,32."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 @app.command()
 def convert(
     model: Annotated[str, typer.Argument(help="checkpoint directory or builtin:NAME")],
     out: Annotated[Path, typer.Option("--out", "-o", help="output directory (built atomically)")],
-    recipe: Annotated[str | None, typer.Option(help="bundled recipe name (e.g. qwen3-fp32) or YAML file; "
-                                               "default: <family>-<dtype>")] = None,
+    recipe: Annotated[str | None, typer.Option(help="bundled recipe (ort, ascend, or per family: qwen3-fp32, "
+                                               "qwen3-ascend-fp16, ...) or YAML file; default: the target's, "
+                                               "named <family>-<dtype>")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="recipe override key=value (repeatable)")] = None,
     dtype: Annotated[str | None, typer.Option(help="compute dtype: fp32 or fp16")] = None,
     max_seq_len: Annotated[int | None, typer.Option(help="KV cache capacity P (default 2048 or the model's "
@@ -234,28 +243,34 @@ def convert(
     """
     import signal
 
+    from qwen2om.convert import ConvertOptions
     from qwen2om.convert import convert as run_convert
+    from qwen2om.recipe import parse_overrides, setting
 
     # `kill` (SIGTERM) stops a conversion as cleanly as Ctrl-C: finished work kept for --resume.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
-    overrides = list(set_ or [])
-    if soc_version is not None and target is None:
-        target = "ascend"
+    settings = parse_overrides(set_ or [])  # recipe field → typed value; the flags below win over --set
+    if soc_version is not None and target is None:  # the target whose chips it names
+        from qwen2om.targets import TARGETS
+
+        target = next(t.name for t in TARGETS if t.socs)
     for key, value in (("dtype", dtype), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
                        ("batch_size", batch_size), ("target", target), ("scales", scales),
                        ("soc_version", soc_version), ("precision", precision), ("gears", gears),
                        ("compile", "dry-run" if dry_run else None)):
-        if value is not None:
-            given = [o.partition("=")[2].strip() for o in set_ or [] if o.partition("=")[0].strip() == key]
-            if given and given[-1] != str(value):
-                flag = "--dry-run" if key == "compile" else f"--{key.replace('_', '-')} {value}"
-                note(f"{flag} overrides --set {key}={given[-1]}")
-            overrides.append(f"{key}={value}")
+        if value is None:
+            continue
+        # typed as --set's strings are (--gears 16,32 → (16, 32)); a bad value reads as the --set it stands for
+        typed = setting(key, value.strip() if isinstance(value, str) else value, f"--set {key}={value}")
+        if key in settings and settings[key] != typed:
+            flag = "--dry-run" if key == "compile" else f"--{key.replace('_', '-')} {value}"
+            note(f"{flag} overrides --set {key}={as_set(settings[key])}")
+        settings[key] = typed
+    options = ConvertOptions(recipe, settings, force=force, resume=resume, workers=workers, dump_graphs=dump_graph,
+                             allow_unused=allow_unused)
     with progress_bar(not as_json) as progress:
-        result = run_convert(model, out, recipe=recipe, overrides=overrides, force=force, resume=resume,
-                             workers=workers, progress=progress, log=note, dump_graphs=dump_graph,
-                             allow_unused=allow_unused,
+        result = run_convert(model, out, options, progress=progress, log=note,
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
@@ -542,7 +557,7 @@ def inspect(
     2 = bad input (a path that is no output directory, .onnx file or checkpoint; an unreadable ONNX file;
     a missing or truncated external data file);
     3 = --dump-graph .svg/.png but graphviz's `dot` is not installed (FILE's .dot is written instead)."""
-    from qwen2om.inspect import grouped_io
+    from qwen2om.inspect import CheckpointInfo, OutputInfo, grouped_io
     from qwen2om.inspect import inspect as run_inspect
 
     if other is not None and not diff:
@@ -562,68 +577,69 @@ def inspect(
         return
     info = run_inspect(path, checksums)
     if as_json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info.to_dict(), indent=2))
         return
-    if info["kind"] == "checkpoint":
-        quantised = ", ".join(f"{n} {kind}" for kind, n in info["quantized"].items()) or "none"
-        out_console.print(f"checkpoint {shown(path)}: {shown(info['model_type'])} ({info['architecture']}), "
-                          f"{info['layers']} layers, hidden {info['hidden']}, {info['tensors']} tensors in "
-                          f"{len(info['shards'])} shard(s); "
+    if isinstance(info, CheckpointInfo):
+        quantised = ", ".join(f"{n} {kind}" for kind, n in info.quantized.items()) or "none"
+        out_console.print(f"checkpoint {shown(path)}: {shown(info.model_type)} ({info.architecture}), "
+                          f"{info.layers} layers, hidden {info.hidden}, {info.tensors} tensors in "
+                          f"{len(info.shards)} shard(s); "
                           f"quantised weights: {quantised}")
-        if info["quantized_modules"]:
+        if info.quantized_modules:
             print_quantized_modules(info)
-        for shard, sha in info.get("checksums", {}).items():
+        for shard, sha in (info.checksums or {}).items():
             out_console.print(f"  {shown(shard)} sha256 {sha}")
         return
-    graphs = info["graphs"] if info["kind"] == "output" else {"graph": info}
+    graphs = info.graphs if isinstance(info, OutputInfo) else {"graph": info.graph}
     for kind, g in graphs.items():
-        out_console.print(f"[bold]{shown(kind)}[/] ({shown(g.get('file', path))}): {g['nodes']} nodes, "
-                          f"opset {g['opset']}, IR {g['ir_version']}; top ops: "
-                          + ", ".join(f"{shown(op)} {n}" for op, n in list(g["ops"].items())[:8]))
-        weights = ", ".join(f"{dt} {v['count']} ({fmt_bytes(v['bytes'])})" for dt, v in g["initializers"].items())
+        out_console.print(f"[bold]{shown(kind)}[/] ({shown(path if g.file is None else g.file)}): {g.nodes} nodes, "
+                          f"opset {g.opset}, IR {g.ir_version}; top ops: "
+                          + ", ".join(f"{shown(op)} {n}" for op, n in list(g.ops.items())[:8]))
+        weights = ", ".join(f"{dt} {v.count} ({fmt_bytes(v.bytes)})" for dt, v in g.initializers.items())
         out_console.print(f"  initializers: {weights}")
-        if g.get("external_data"):
-            data = ", ".join(f"{shown(f)} {fmt_bytes(n)}" for f, n in g["external_data"].items())
-            read = "read for --checksums" if "checksums" in g else "not read"
+        if g.external_data:
+            data = ", ".join(f"{shown(f)} {fmt_bytes(n)}" for f, n in g.external_data.items())
+            read = "read for --checksums" if g.checksums is not None else "not read"
             out_console.print(f"  external data ({read}): {data}")
-        if "checksums" in g:
-            combined = hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(g["checksums"].items())).encode())
-            out_console.print(f"  weights sha256: {len(g['checksums'])} initializers hashed, combined "
+        if g.checksums is not None:
+            combined = hashlib.sha256("".join(f"{n} {h}\n" for n, h in sorted(g.checksums.items())).encode())
+            out_console.print(f"  weights sha256: {len(g.checksums)} initializers hashed, combined "
                               f"{combined.hexdigest()} (--json lists each)")
-        if "inputs" not in g:
+        if g.inputs is None or g.outputs is None:
             continue
         table = Table(title=f"{kind}: inputs and outputs")
         for col in ("", "name", "dtype", "shape", "role", "count"):
             table.add_column(col, overflow="fold")
-        for side in ("inputs", "outputs"):
-            for row in grouped_io(g[side]):
-                table.add_row(side[:-1], shown(row["name"]), row["dtype"], row["shape"], shown(row["role"]),
+        for side, ios in (("input", g.inputs), ("output", g.outputs)):
+            for row in grouped_io(ios):
+                table.add_row(side, shown(row["name"]), row["dtype"], row["shape"], shown(row["role"]),
                               str(row["count"]))
         out_console.print(table)
-    if info.get("scale_inputs"):
-        first = info["scale_inputs"][0]
-        table = Table(title=f"scale inputs: {len(info['scale_inputs'])}, float32, values in scales.safetensors; "
+    if not isinstance(info, OutputInfo):
+        return
+    if info.scale_inputs:
+        first = info.scale_inputs[0]
+        table = Table(title=f"scale inputs: {len(info.scale_inputs)}, float32, values in scales.safetensors; "
                             f"each feeds the module its name starts with (source e.g. {first['source']})")
         table.add_column("input", overflow="fold")
         for col in ("layer", "shape", "scheme", "block"):
             table.add_column(col, no_wrap=True)
-        for e in info["scale_inputs"]:
+        for e in info.scale_inputs:
             block = e.get("block_size") or [1, e.get("group_size")]
             table.add_row(e["name"], str(e["layer"]), str(e["shape"]), e["scheme"], f"{block[0]}×{block[1]}")
         out_console.print(table)
-    if info.get("scale_ranges"):
+    if info.scale_ranges:
         out_console.print("scale range per layer: " + "; ".join(
-            f"{r['layer']}: {r['min']:.3g}…{r['max']:.3g}" for r in info["scale_ranges"]))
+            f"{r['layer']}: {r['min']:.3g}…{r['max']:.3g}" for r in info.scale_ranges))
 
 
-def print_quantized_modules(info: dict[str, Any]) -> None:
+def print_quantized_modules(info: CheckpointInfo) -> None:
     """A quantised checkpoint's weights by module (layers folded), and how it was made."""
-    qc = info.get("quantization_config") or {}
+    qc = info.quantization_config or {}
     made = qc.get("qwen2om") or {}
     # an ascendv1 checkpoint says what it is in quant_model_description.json, not in config.json;
     # Hugging Face's FP8 names its element format `fmt` (e4m3) and its tiles `weight_block_size`
-    fmt = qc.get("format") or qc.get("fmt") or " · ".join(f for f in info.get("formats", [])
-                                                          if f != "compressed-tensors")
+    fmt = qc.get("format") or qc.get("fmt") or " · ".join(f for f in info.formats if f != "compressed-tensors")
     block = qc.get("weight_block_size")
     parts = (qc.get("quant_method"), fmt, block and "×".join(map(str, block)) + " blocks", made.get("method"),
              made.get("dataset"))
@@ -631,9 +647,9 @@ def print_quantized_modules(info: dict[str, Any]) -> None:
     table = Table(title=f"quantised weights ({how})" if how else "quantised weights")
     for col in ("module", "scheme", "block", "zero point", "count"):
         table.add_column(col, justify="right" if col == "count" else "left")
-    for row in info["quantized_modules"]:
-        zero = {True: "none (symmetric)", False: "yes (asymmetric)"}.get(row.get("symmetric"), "-")
-        table.add_row(row["module"], row["scheme"], "×".join(map(str, row["block"])), zero, str(row["count"]))
+    for row in info.quantized_modules:
+        zero = "-" if row.symmetric is None else "none (symmetric)" if row.symmetric else "yes (asymmetric)"
+        table.add_row(row.module, row.scheme, "×".join(map(str, row.block)), zero, str(row.count))
     out_console.print(table)
     ignored = qc.get("ignore") or qc.get("modules_to_not_convert")
     if ignored:

@@ -5,27 +5,26 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import qwen2om.passes  # noqa: F401  (registers the passes)
-from qwen2om.arch import ModelDims, resolve_arch
+from qwen2om.arch import ModelDims
 from qwen2om.builtin import resolve_model
-from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint, check_tokenizer_sources, read_json
+from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint, ModelConfig, check_tokenizer_sources
 from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError, DiskFullError, Interrupted, Qwen2omError, RecipeError
+from qwen2om.families import family_of
 from qwen2om.generation import read_generation
 from qwen2om.graphdump import pass_dumper
 from qwen2om.journal import Journal
-from qwen2om.output import FORMAT_VERSION, file_entries, staged_output, tool_versions, write_manifest
+from qwen2om.output import FORMAT_VERSION, file_entries, graph_file, staged_output, tool_versions, write_manifest
 from qwen2om.passes.lower_int4_ascend import int4_form
 from qwen2om.passes.package import CONFIG_FILES
-from qwen2om.passes.write_onnx import graph_file
-from qwen2om.pipeline import RunContext, StepReport, Workspace, no_progress, run_pipeline
-from qwen2om.recipe import DTYPES, TARGETS, Recipe, apply_overrides, load_recipe
-from qwen2om.rope import rope_tables
-from qwen2om.static_hybrid import hybrid_rope_tables
+from qwen2om.pipeline import RunContext, StepReport, no_progress, run_pipeline
+from qwen2om.recipe import Recipe, checked_settings, load_recipe, parse_overrides, target_recipe, with_settings
+from qwen2om.state import ConvertState
 
 LAYOUT = {
     "kv_cache": "BNSD: [batch, kv_heads, capacity, head_dim]; outputs hold the T new tokens only",
@@ -36,6 +35,31 @@ LAYOUT = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """What a conversion is asked for, typed and built once (the CLI builds it from its flags and
+    `--set`): the recipe, recipe settings on top of it, and how to run.
+
+    `settings` maps recipe fields to typed values (`{"dtype": "fp16", "max_seq_len": 512}`), as
+    `recipe.parse_overrides` makes them from `key=value` strings; unknown fields are refused here."""
+
+    recipe: str | None = None  # a bundled recipe's name or a YAML file; None: the target's, <family>-<dtype>
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    force: bool = False  # replace an existing OUT (qwen2om's own outputs only)
+    resume: bool = False  # continue an interrupted run from its staging directory
+    workers: int | None = None  # threads; None: every core this process may use
+    dump_graphs: bool = False  # each graph after each pass → OUT/graphs/NN_<pass>.<kind>.txt (graphdump.py)
+    allow_unused: bool = False  # tensors config.json does not account for: logged and left out, not refused
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", checked_settings(self.settings))
+
+    @classmethod
+    def from_overrides(cls, overrides: Iterable[str] = (), **kwargs: Any) -> ConvertOptions:
+        """Options with settings from `key=value` strings, each parsed once (recipe.parse_overrides)."""
+        return cls(settings=parse_overrides(overrides), **kwargs)
+
+
 @dataclasses.dataclass
 class ConvertResult:
     out: Path
@@ -44,46 +68,49 @@ class ConvertResult:
     manifest: dict[str, Any]
 
 
-def choose_recipe(source: Path, recipe: str | None, overrides: list[str]) -> tuple[Recipe, ModelDims]:
-    """The recipe for this checkpoint: named/file, or `<family>-<dtype>`; overrides; autos resolved."""
+def read_config(source: Path) -> ModelConfig:
+    """The checkpoint's config.json, read and its architecture resolved once per conversion: the
+    recipe is chosen from it, preflight checks with it, the Checkpoint is opened with it."""
     if source.is_file():
         raise CheckpointError(f"{source} is a file: give its directory, a checkpoint (config.json + *.safetensors), "
                               "or builtin:NAME")
-    cfg_path = source / "config.json"
-    cfg = read_json(cfg_path, "config.json")
-    arch = resolve_arch(cfg, str(cfg_path))
-    dims = ModelDims.from_config(cfg, str(cfg_path))
-    if recipe is None:
-        def given(key: str, default: str) -> str:
-            return next((o.split("=", 1)[1].strip() for o in reversed(overrides) if o.startswith(f"{key}=")), default)
+    return ModelConfig.read(source)
 
-        target = given("target", "ort")
-        dtype = given("dtype", "fp16" if target == "ascend" else "fp32")  # the NPU computes in fp16
-        if dtype not in DTYPES:
-            raise RecipeError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        if target not in TARGETS:
-            raise RecipeError(f"target={target!r} is not one of {', '.join(TARGETS)}")
-        family = arch.recipe or arch.name
-        recipe = f"{family}-ascend-{dtype}" if target == "ascend" else f"{family}-{dtype}"
-    r = apply_overrides(load_recipe(recipe), overrides)
-    if r.gears and arch.hybrid:  # checked here, before any work: export_onnx would fail minutes later
+
+def choose_recipe(model: ModelConfig, recipe: str | None, settings: Mapping[str, Any]) -> Recipe:
+    """The recipe for this checkpoint: named/file, or the target's bundled one (`<family>-<dtype>`, the
+    family the checkpoint's); `settings` (recipe field → typed value) on top; autos resolved."""
+    arch = model.arch
+    family = arch.recipe or arch.name
+    if recipe is None:
+        # the target's recipe names its default dtype (ascend: fp16, what the NPU computes in)
+        r = target_recipe(settings.get("target") or "ort", family, settings.get("dtype"))
+    else:
+        r = load_recipe(recipe)
+    r = with_settings(r, settings)
+    if not r.family:  # a recipe that names none (recipes/ort.yaml, a user's file): the checkpoint's
+        r = dataclasses.replace(r, family=family)
+    if r.gears and not family_of(arch).prefill_gears:  # checked here: export_onnx would fail minutes later
         raise RecipeError(f"gears={','.join(map(str, r.gears))}: prefill gears are not supported for {arch.name} "
                           "yet (its chunked linear attention splits a chunk into blocks by the chunk size, "
                           "static_hybrid.py, so one graph cannot serve every gear); convert without --gears")
-    return r.resolved(dims.max_positions), dims
+    return r.resolved(model.dims.max_positions)
 
 
-def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = False,
-              log: Callable[[str], None] = lambda m: None) -> None:
+def preflight(model: ModelConfig, r: Recipe, *, allow_unused: bool = False,
+              log: Callable[[str], None] = lambda m: None) -> Checkpoint | None:
     """Refusals that need only config.json and the checkpoint's tensor table, made before anything is
     staged: the passes that raise them run after every shard is read (static_model's RoPE tables) or
     after the ONNX export (lower_int4_ascend), minutes into a large conversion. (max_seq_len against
-    the model's limit is choose_recipe's.)"""
+    the model's limit is choose_recipe's.)
+
+    Returns the checkpoint it opened (lazily: headers and quantisation metadata), for load_checkpoint
+    to take on; None where it opened none, or could not (load_checkpoint then says why, naming its pass)."""
     from qwen2om.recipe import check_capacity
 
+    source, dims = model.root, model.dims
     check_capacity(r, dims)  # before static_model's RoPE tables and export_onnx's traced caches exist
-    if (source / "config.json").is_file():  # the manifest's stop and pad ids, written at the very end
-        read_generation(source, read_json(source / "config.json", "config.json"), dims.vocab)
+    read_generation(source, model.config, dims.vocab)  # the manifest's stop and pad ids, written at the very end
     passes = {name for name, _ in r.pipeline}
     if "package" in passes:  # files it copies into OUT: inside the checkpoint, regular (qwen2om.confine)
         for name in (*TOKENIZER_FILES, *CONFIG_FILES):
@@ -92,25 +119,27 @@ def preflight(source: Path, r: Recipe, dims: ModelDims, *, allow_unused: bool = 
         check_tokenizer_sources(source)
         chat_format(source)  # a template file that cannot be read is named now, not after the export
     if "static_model" in passes:  # a one-row table: the same refusals, none of the work
-        cfg = read_json(source / "config.json", "config.json")
-        if resolve_arch(cfg, str(source / "config.json")).hybrid:
-            hybrid_rope_tables(cfg, dims, 1)
-        else:
-            rope_tables(cfg, 1)
-    if "load_checkpoint" in passes or "lower_int4_ascend" in passes:
-        try:
-            ckpt = Checkpoint(source)  # lazy: headers and quantisation metadata, no weights
-            if "load_checkpoint" in passes:
-                ckpt.validate_layout()  # first: a missing or misshapen tensor says more than an unused one
-        except Qwen2omError:
-            return  # load_checkpoint says what is wrong with it, naming its pass
-        try:
-            if "load_checkpoint" in passes:  # tensors the config leaves out: refused, or with allow_unused said
-                ckpt.check_unused(log if allow_unused else None)
-            if "lower_int4_ascend" in passes:
-                int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=r.dtype == "fp16")
-        finally:
-            ckpt.close()
+        family_of(model.arch).rope_tables(model.config, dims, 1)
+    if "load_checkpoint" not in passes and "lower_int4_ascend" not in passes:
+        return None
+    try:
+        ckpt = Checkpoint(source, model)  # lazy: headers and quantisation metadata, no weights
+    except Qwen2omError:
+        return None  # load_checkpoint opens it and says what is wrong with it, naming its pass
+    try:
+        if "load_checkpoint" in passes:
+            ckpt.validate_layout()  # first: a missing or misshapen tensor says more than an unused one
+    except Qwen2omError:
+        return ckpt  # load_checkpoint checks it again and says what is wrong, naming its pass
+    try:
+        if "load_checkpoint" in passes:  # tensors the config leaves out: refused, or with allow_unused said
+            ckpt.check_unused(log if allow_unused else None)
+        if "lower_int4_ascend" in passes:
+            int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=r.dtype == "fp16")
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
 
 
 def available_cores() -> int:
@@ -134,54 +163,66 @@ def choose_workers(asked: int | None, log: Callable[[str], None]) -> int:
 
 
 def convert(
-    model: str | Path, out: Path, *, recipe: str | None = None, overrides: list[str] | None = None,
-    force: bool = False, resume: bool = False, workers: int | None = None,
+    model: str | Path, out: Path, options: ConvertOptions | None = None, *, recipe: str | None = None,
+    overrides: list[str] | None = None, force: bool = False, resume: bool = False, workers: int | None = None,
     progress: Callable[..., None] = no_progress,
     log: Callable[[str], None] = lambda m: None, on_step: Callable[[StepReport], None] = lambda r: None,
     dump_graphs: bool = False, allow_unused: bool = False,
 ) -> ConvertResult:
-    """Convert `model` into the output directory `out`, atomically; see the module docstring.
+    """Convert `model` into the output directory `out`, as `options` asks, atomically; see the module
+    docstring. `recipe`, `overrides` (`key=value` strings) and the run flags are the same options
+    spelled out, for callers that build none; give one or the other.
 
     An interrupted run (Ctrl-C, SIGKILL, full disk) keeps its finished work in a staging
-    directory next to `out`; the same call with `resume=True` continues it. `dump_graphs` writes
-    each graph after each pass to OUT/graphs/NN_<pass>.<kind>.txt (qwen2om/graphdump.py).
-    `allow_unused`: tensors the config does not account for are logged and left out, not refused.
+    directory next to `out`; the same call with `resume` continues it.
     """
+    if options is None:
+        options = ConvertOptions.from_overrides(overrides or [], recipe=recipe, force=force, resume=resume,
+                                                workers=workers, dump_graphs=dump_graphs, allow_unused=allow_unused)
+    elif (recipe, overrides, force, resume, workers, dump_graphs, allow_unused) != (None, None, False, False, None,
+                                                                                      False, False):
+        raise TypeError("convert(): give `options`, or recipe/overrides and the run flags, not both")
     source = resolve_model(model)
-    r, dims = choose_recipe(source, recipe, list(overrides or []))
-    preflight(source, r, dims, allow_unused=allow_unused, log=log)
-    n_workers = choose_workers(workers, log)
-    tools = tool_versions()
-    key = {"model": str(model), "source": str(source), "recipe": r.to_dict(), "tools": tools}
-    out = Path(out)
-    with staged_output(out, force=force, resume=resume, log=log) as stage:
-        try:
-            journal = Journal.open(stage, key, resume=resume)
-            ctx = RunContext(recipe=r, stage_dir=stage, source=source, model=str(model),
-                             tool_version=tools["qwen2om"], progress=progress, log=log, workers=n_workers,
-                             journal=journal)
-            ws = Workspace()
-            after = pass_dumper(stage / "graphs") if dump_graphs else None
-            steps = run_pipeline(r.pipeline, ws, ctx, on_step, after)
-            manifest = build_manifest(str(model), source, r, dims, ws, steps, tools)
-            journal.remove()
-            write_manifest(stage, manifest, n_workers)
-        except KeyboardInterrupt:
-            raise Interrupted(f"{out} was not written; finished work is kept in {stage}: rerun the same command "
-                              "with --resume to continue") from None
-        except OSError as e:
-            where = e.filename or stage
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise DiskFullError(f"no space left while writing {where} ({e.strerror}); finished work is kept in "
-                                    f"{stage}: free space, then rerun the same command with --resume") from None
-            raise DiskFullError(f"cannot write {where} ({e.strerror or e}); finished work is kept in {stage}: "
-                                "fix the problem, then rerun the same command with --resume") from None
+    config = read_config(source)  # read once: the recipe, preflight and the Checkpoint all use it
+    r = choose_recipe(config, options.recipe, options.settings)
+    opened = preflight(config, r, allow_unused=options.allow_unused, log=log)
+    try:
+        n_workers = choose_workers(options.workers, log)
+        tools = tool_versions()
+        key = {"model": str(model), "source": str(source), "recipe": r.to_dict(), "tools": tools}
+        out = Path(out)
+        with staged_output(out, force=options.force, resume=options.resume, log=log) as stage:
+            try:
+                journal = Journal.open(stage, key, resume=options.resume)
+                ctx = RunContext(recipe=r, stage_dir=stage, source=source, model=str(model),
+                                 tool_version=tools["qwen2om"], progress=progress, log=log, workers=n_workers,
+                                 journal=journal, opened_checkpoint=opened)
+                state = ConvertState()
+                after = pass_dumper(stage / "graphs") if options.dump_graphs else None
+                steps = run_pipeline(r.pipeline, state, ctx, on_step, after)
+                manifest = build_manifest(str(model), source, r, config.dims, state, steps, tools)
+                journal.remove()
+                write_manifest(stage, manifest, n_workers)
+            except KeyboardInterrupt:
+                raise Interrupted(f"{out} was not written; finished work is kept in {stage}: rerun the same "
+                                  "command with --resume to continue") from None
+            except OSError as e:
+                where = e.filename or stage
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise DiskFullError(f"no space left while writing {where} ({e.strerror}); finished work is "
+                                        f"kept in {stage}: free space, then rerun the same command with --resume"
+                                        ) from None
+                raise DiskFullError(f"cannot write {where} ({e.strerror or e}); finished work is kept in {stage}: "
+                                    "fix the problem, then rerun the same command with --resume") from None
+    finally:
+        if opened is not None:  # the state's checkpoint, once load_checkpoint has taken it on
+            opened.close()
     return ConvertResult(out, r, steps, manifest)
 
 
-def source_entries(source: Path, ckpt: Any, ws: Workspace) -> list[dict[str, Any]]:
+def source_entries(source: Path, ckpt: Any, state: ConvertState) -> list[dict[str, Any]]:
     """Every file read, with its hash; shards were hashed by check_weights, so not read twice."""
-    hashed = ws.get("source_hashes", {})
+    hashed = state.source_hashes or {}
     entries = []
     for p in sorted(ckpt.files):
         name = str(p.relative_to(source))
@@ -198,24 +239,24 @@ def chat_format(source: Path) -> str:
     return template.file.name if template.file is not None else "chatml"
 
 
-def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, ws: Workspace,
+def build_manifest(model: str, source: Path, r: Recipe, dims: ModelDims, state: ConvertState,
                    steps: list[StepReport], tools: dict[str, str]) -> dict[str, Any]:
-    ckpt = ws.need("checkpoint")
+    ckpt = state.checkpoint
     # `gears`: the token counts a graph exported with a symbolic T takes (ATC --dynamic_dims); its
     # inputs/outputs are listed at the largest, `tokens`.
-    gears = ws.get("graph_gears", {})
+    gears = state.graph_gears or {}
     graphs = {
         kind: {"file": graph_file(kind), "tokens": inputs[0].shape[1],
                **({"gears": list(gears[kind])} if gears.get(kind) else {}),
                "inputs": [s.to_dict() for s in inputs], "outputs": [s.to_dict() for s in outputs]}
-        for kind, (inputs, outputs) in ws.need("signatures").items()
+        for kind, (inputs, outputs) in state.signatures.items()
     }
     generation = read_generation(source, ckpt.config, dims.vocab)
     return {
         "format_version": FORMAT_VERSION,
         "tools": tools,
         # absolute, so `verify OUT` finds the checkpoint from any directory
-        "source": {"model": model, "path": str(source.absolute()), "files": source_entries(source, ckpt, ws)},
+        "source": {"model": model, "path": str(source.absolute()), "files": source_entries(source, ckpt, state)},
         "architecture": ckpt.arch.name,
         "dims": dataclasses.asdict(dims),
         "recipe": r.to_dict(),

@@ -153,7 +153,7 @@ def ir_type(value: ir.Value) -> TensorType:
 
 
 def view_from_ir(model: ir.Model, title: str, roles: dict[str, str] | None = None) -> GraphView:
-    """A GraphView of an onnx_ir model (what the passes hold in ws["graphs"])."""
+    """A GraphView of an onnx_ir model (what the passes hold in ConvertState.graphs)."""
     g = model.graph
     nodes, types = [], {}
     for n in g:
@@ -605,11 +605,11 @@ def dump_graph(path: Path | str, out: Path | str, *, kind: str | None = None, la
 
 
 def pass_dumper(graphs_dir: Path) -> Callable[[int, str, Any], None]:
-    """`convert --dump-graph`: after pass number `index` (1-based), write every graph the workspace
+    """`convert --dump-graph`: after pass number `index` (1-based), write every graph the state
     holds to graphs_dir/NN_<pass>.<kind>.txt, every node listed so a diff shows all a pass did."""
 
-    def after(index: int, name: str, ws: Any) -> None:
-        graphs = ws.get("graphs") or {}
+    def after(index: int, name: str, state: Any) -> None:
+        graphs = state.graphs or {}
         if not graphs:
             return
         graphs_dir.mkdir(parents=True, exist_ok=True)

@@ -24,9 +24,7 @@ import torch
 from torch import nn
 
 from qwen2om.checkpoint import Checkpoint
-from qwen2om.rope import rope_tables
-from qwen2om.static_hybrid import HybridLayer, ZeroCentredRMSNorm, hybrid_rope_tables, state_shapes
-from qwen2om.static_model import DecoderLayer, RMSNorm
+from qwen2om.families import Layer, family_of
 from qwen2om.weights import Weights
 
 
@@ -122,6 +120,7 @@ class LayerRunner:
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype = torch.float32, budget: int = 1 << 30,
                  spill_dir: Path | None = None) -> None:
         self.ckpt, self.dtype, self.d = ckpt, dtype, ckpt.dims
+        self.family = family_of(ckpt.arch)
         self.budget, self.spill_dir = budget, spill_dir
         self.shapes = {n: ckpt.shape(n) for n in ckpt.names()}
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -132,25 +131,24 @@ class LayerRunner:
     def embed(self, samples: list[list[int]]) -> ActivationStore:
         """Hidden states entering layer 0, read row by row from the embedding table."""
         store = ActivationStore(self.budget, self.spill_dir)
-        name = "model.embed_tokens.weight"
+        name = self.family.names.embed
         for i, ids in enumerate(samples):
             unique, where = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)  # each row read once
             rows = torch.cat([self.ckpt.get(name, self.dtype, rows=(int(t), int(t) + 1)) for t in unique])
             store.put(i, rows[torch.from_numpy(where.reshape(-1))][None].float().numpy())
         return store
 
-    def layer(self, index: int) -> DecoderLayer | HybridLayer:
+    def layer(self, index: int) -> Layer:
         """Decoder layer `index` with its real weights (and only its weights) loaded."""
-        layer_class = HybridLayer if self.ckpt.arch.hybrid else DecoderLayer
-        layer = layer_class(self.ckpt.arch, self.d, self.weights(), f"model.layers.{index}", index,
-                            fused=self.ckpt.fused_experts).eval()
+        layer = self.family.layer(self.ckpt.arch, self.d, self.weights(), self.family.names.layer(index), index,
+                                  fused=self.ckpt.fused_experts).eval()
         for m in layer.modules():
             if hasattr(m, "cache_attention"):
                 m.cache_attention = CausalAttention(self.d.heads, self.d.head_dim)
         return layer
 
     def run_layer(self, index: int, store: ActivationStore,
-                  hook: Callable[[DecoderLayer, LayerInputs], None] | None = None) -> ActivationStore:
+                  hook: Callable[[Layer, LayerInputs], None] | None = None) -> ActivationStore:
         """Every sample through layer `index`; returns the store of its outputs (the input store is closed)."""
         layer = self.layer(index)
         out = ActivationStore(self.budget, self.spill_dir)
@@ -164,7 +162,7 @@ class LayerRunner:
         store.close()
         return out
 
-    def run(self, samples: list[list[int]], hook: Callable[[int, DecoderLayer, LayerInputs], None] | None = None,
+    def run(self, samples: list[list[int]], hook: Callable[[int, Layer, LayerInputs], None] | None = None,
             progress: Callable[[int, int], None] = lambda done, total: None) -> ActivationStore:
         """All layers; `hook(layer_index, layer, inputs)` sees each sample before each layer."""
         store = self.embed(samples)
@@ -175,32 +173,19 @@ class LayerRunner:
         return store
 
     def final_norm(self, store: ActivationStore) -> list[torch.Tensor]:
-        norm_class = ZeroCentredRMSNorm if self.ckpt.arch.hybrid else RMSNorm
-        norm = norm_class(self.weights(), "model.norm", self.d.rms_eps)
+        norm = self.family.norm(self.weights(), self.family.names.final_norm, self.d.rms_eps)
         with torch.no_grad():
             return [norm(torch.from_numpy(np.array(store.get(i)))) for i in store]
 
-    def forward(self, layer: DecoderLayer | HybridLayer, x: torch.Tensor) -> torch.Tensor:
-        """One sample [1, T, hidden] through `layer`, causal, from an empty cache."""
-        t = x.shape[1]
-        cos, sin = self._tables(t)
+    def forward(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """One sample [1, T, hidden] through `layer`, causal, from an empty cache (the family's first call)."""
+        cos, sin = self._tables(x.shape[1])
         mask = NO_MASK  # CausalAttention is causal by construction; linear attention takes no mask
-        empty = torch.zeros(1, self.d.kv_heads, 0, self.d.head_dim, dtype=self.dtype)
-        if isinstance(layer, HybridLayer):
-            if not layer.linear:
-                return layer(x.to(self.dtype), cos, sin, mask, None, empty, empty)[0]
-            conv, rec = state_shapes(self.d, x.shape[0])
-            states = torch.zeros(conv, dtype=self.dtype), torch.zeros(rec)
-            return layer(x.to(self.dtype), cos, sin, mask, None, *states)[0]
-        y, _, _ = layer(x.to(self.dtype), cos, sin, mask, empty, empty)
-        return y
+        return self.family.first_call(layer, x.to(self.dtype), cos, sin, mask, self.d)
 
     def _tables(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[2] < t:
-            if self.ckpt.arch.hybrid:
-                cos, sin = hybrid_rope_tables(self.ckpt.config, self.d, max(t, 256))
-            else:
-                cos, sin = rope_tables(self.ckpt.config, max(t, 256))
+            cos, sin = self.family.rope_tables(self.ckpt.config, self.d, max(t, 256))
             self._rope = (cos.to(self.dtype)[None, None], sin.to(self.dtype)[None, None])
         cos, sin = self._rope
         return cos[:, :, :t], sin[:, :, :t]

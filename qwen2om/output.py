@@ -22,6 +22,11 @@ TOOLS = ("qwen2om", "torch", "transformers", "onnx", "onnxruntime", "onnxscript"
          "tokenizers", "numpy")
 
 
+def graph_file(kind: str) -> str:
+    """The file name of one graph kind (decode, prefill) in an output directory."""
+    return f"model.{kind}.onnx"
+
+
 def partial_dir(out: Path) -> Path:
     """Where a conversion into `out` is staged: a hidden sibling with a fixed name, so that an
     interrupted run can be found and continued (`--resume`)."""

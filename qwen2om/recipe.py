@@ -3,6 +3,12 @@
 A recipe is a flat set of parameters plus an ordered `pipeline:` of pass names (each optionally
 with arguments). Unknown keys are rejected with the valid ones listed; command-line flags are
 sugar over the same fields, and the resolved recipe goes into the manifest.
+
+The bundled recipes are one per target (recipes/ort.yaml, recipes/ascend.yaml; qwen2om/targets.py
+says which) and name no family: the checkpoint says which. The per-family names manifests record
+and `--recipe` takes (`qwen3-fp32`, `qwen2-ascend-fp16`) are that file with the family and the
+compute dtype filled in (`target_recipe`). A user's recipe file may state `family:` (it is then
+checked against the checkpoint) or leave it to the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,25 +17,23 @@ import dataclasses
 import importlib.resources
 import os
 import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from qwen2om.ascend import KNOWN, soc_info
 from qwen2om.errors import PlanError, Qwen2omError, RecipeError
+from qwen2om.targets import MAX_GEARS, TARGETS, Target
 
 if TYPE_CHECKING:
     from qwen2om.arch import ModelDims
 
 AUTO = "auto"
 DTYPES = ("fp32", "fp16")
-TARGETS = ("ort", "ascend")
-PRECISIONS = ("origin", "mixed_float16", "fp16")  # ATC --precision_mode_v2
-WEIGHT_STORAGE = ("auto", "int8")
-COMPILE = ("auto", "dry-run")
 LOGITS = ("last", "all")
 SCALES = ("auto", "constants", "inputs")
-MAX_GEARS = 100  # ATC accepts at most 100 --dynamic_dims gears
 # A static graph computes all of its B rows on every call, used or not, and its KV cache is B times one
 # row's: past 256 rows (vLLM's default max_num_seqs, the most sequences a serving engine batches by
 # default) a static batch is a typo, which would otherwise surface only after the whole export.
@@ -55,7 +59,7 @@ MAX_YAML_DEPTH = 32
 class Recipe:
     """Everything that decides what `convert` produces."""
 
-    family: str
+    family: str  # "": not stated (the bundled recipes); convert.choose_recipe fills in the checkpoint's
     pipeline: tuple[tuple[str, dict[str, Any]], ...]
     dtype: str = "fp32"
     target: str = "ort"
@@ -67,7 +71,7 @@ class Recipe:
     scales: str = "auto"  # quantisation scales as graph inputs (scale_map.json) or constants; auto: inputs for FP8
     opset: int = 18
     ir_version: int = 8
-    # target ascend only:
+    # target ascend only (targets.py, Target.fields):
     soc_version: str = ""  # ATC --soc_version, e.g. Ascend910B3
     precision: str = "origin"  # ATC --precision_mode_v2: origin keeps the graph's dtypes
     weight_storage: str = "auto"  # int8: int4 weights stored as int8, dequantised by Cast + Mul (310B: W8A16)
@@ -94,10 +98,8 @@ class Recipe:
             c = min(128, p) if self.prefill_chunk == AUTO else int(self.prefill_chunk)
         r = dataclasses.replace(self, max_seq_len=p, prefill_chunk=c)
         r.check()
-        if r.target == "ascend" and not r.soc_version:
-            from qwen2om.ascend import KNOWN
-
-            raise RecipeError(f"target=ascend needs --soc-version (the chip `npu-smi info` names; known: {KNOWN})")
+        if TARGETS.get(r.target).socs and not r.soc_version:
+            raise RecipeError(f"target={r.target} needs --soc-version (the chip `npu-smi info` names; known: {KNOWN})")
         return r
 
     def check(self) -> None:
@@ -106,27 +108,24 @@ class Recipe:
                 raise RecipeError(f"{field}={getattr(self, field)!r} is not one of {', '.join(allowed)}")
 
         one_of("dtype", DTYPES)
-        one_of("target", TARGETS)
+        one_of("target", tuple(TARGETS.names()))
         one_of("logits", LOGITS)
         one_of("scales", SCALES)
-        one_of("precision", PRECISIONS)
-        one_of("weight_storage", WEIGHT_STORAGE)
-        one_of("compile", COMPILE)
-        if self.target == "ascend" and self.soc_version:  # required, but only once overrides are in (resolved)
-            from qwen2om.ascend import soc_info
-
+        target = TARGETS.get(self.target)
+        # Another target's settings (ATC's, on ort) shape nothing here: refused, not recorded in a manifest.
+        for other in TARGETS:
+            for field in other.fields:
+                value = getattr(self, field)
+                if field not in target.fields and value != FIELDS[field].default:
+                    raise RecipeError(f"{field}={value!r} is for target={other.name}; this recipe's target is "
+                                      f"{self.target} (add --target {other.name}, or leave {field} out)")
+        for field, allowed in target.choices.items():
+            one_of(field, allowed)
+        if target.socs and self.soc_version:  # required, but only once overrides are in (resolved)
             try:
                 soc_info(self.soc_version)
             except Qwen2omError as e:
                 raise RecipeError(str(e)) from None
-        elif self.soc_version:
-            raise RecipeError(f"soc_version={self.soc_version!r} is for target=ascend (this recipe's target is "
-                              f"{self.target}): add --target ascend")
-        # ATC's settings mean nothing to ONNX Runtime: refused, not recorded in a manifest they did not shape.
-        for field, default in (("precision", "origin"), ("compile", "auto")):
-            if self.target != "ascend" and getattr(self, field) != default:
-                raise RecipeError(f"{field}={getattr(self, field)!r} is for target=ascend (ATC); this recipe's "
-                                  f"target is {self.target}")
         for field in ("max_seq_len", "prefill_chunk", "batch_size"):
             v = getattr(self, field)
             if v != AUTO and (not isinstance(v, int) or v < 1):
@@ -158,6 +157,9 @@ class Recipe:
             makers = " or ".join(repr(e.name) for e in PASSES if slot in e.produces)
             raise PlanError(f"the pipeline has no {makers} pass: every output needs {OUTPUT_SLOTS[slot]} "
                             f"({slot!r}); add {makers} to the pipeline")
+        if self.scales == "inputs" and "scale_inputs" not in names:  # asked for, and silently not done
+            raise PlanError("scales=inputs needs the 'scale_inputs' pass, which the pipeline does not list; add it "
+                            "after the lowering passes, or use scales=constants")
 
 
     def check_gears(self) -> None:
@@ -324,10 +326,9 @@ def from_mapping(data: Any, where: str) -> Recipe:
         raise RecipeError(f"{where}: a recipe must be a YAML mapping")
     if unknown := sorted(set(data) - set(FIELDS)):
         raise RecipeError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(FIELDS)})")
-    for key in ("family", "pipeline"):
-        if key not in data:
-            raise RecipeError(f"{where}: missing required key {key!r}")
-    values = {k: _coerce(k, v, where) for k, v in data.items()}
+    if "pipeline" not in data:
+        raise RecipeError(f"{where}: missing required key 'pipeline'")
+    values = {"family": "", **{k: _coerce(k, v, where) for k, v in data.items()}}
     recipe = Recipe(**values)
     try:
         recipe.check()
@@ -443,13 +444,55 @@ def read_recipe_text(path: Path) -> str:
         raise RecipeError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
 
+def target_of(name: str) -> Target:
+    """The target `name` (`--target`), or a RecipeError listing the known ones."""
+    if name not in TARGETS:
+        raise RecipeError(f"target={name!r} is not one of {', '.join(TARGETS.names())}")
+    return TARGETS.get(name)
+
+
+def families() -> list[str]:
+    """The families bundled recipes are named for: each architecture's `recipe`, or else its name."""
+    from qwen2om.arch import ARCHS
+
+    return list(dict.fromkeys(a.recipe or a.name for a in ARCHS))
+
+
+def family_recipes() -> dict[str, tuple[str, str, str]]:
+    """Every per-family bundled name (`qwen3-ascend-fp16`) → (target, family, dtype)."""
+    return {t.named(f, d): (t.name, f, d) for f in families() for t in TARGETS for d in DTYPES}
+
+
 def bundled_recipes() -> list[str]:
+    """What `--recipe` takes besides a file: the target recipes, then the per-family names."""
     root = importlib.resources.files("qwen2om.recipes")
-    return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
+    files = sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
+    return [*files, *family_recipes()]
+
+
+def _bundled(stem: str) -> tuple[str, str]:
+    """(text, where) of recipes/<stem>.yaml."""
+    res = importlib.resources.files("qwen2om.recipes") / f"{stem}.yaml"
+    if not res.is_file():
+        raise RecipeError(f"unknown recipe {stem!r} (bundled: {', '.join(bundled_recipes())})")
+    return res.read_text(encoding="utf-8"), f"recipes/{stem}.yaml"
+
+
+def target_recipe(target: str, family: str = "", dtype: str | None = None) -> Recipe:
+    """The bundled recipe of `target` for `family` (empty: left to the checkpoint) in compute dtype `dtype`
+    (None: the file's, the target's default), named as manifests name it: `qwen3-ascend-fp16`, or the
+    file's name without a family."""
+    t = target_of(target)
+    if dtype is not None and dtype not in DTYPES:
+        raise RecipeError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    text, where = _bundled(t.recipe)
+    data, fill = parse_yaml(text, where), {k: v for k, v in (("family", family), ("dtype", dtype)) if v}
+    r = from_mapping({**data, **fill} if isinstance(data, dict) else data, where)
+    return dataclasses.replace(r, name=t.named(family, r.dtype) if family else t.recipe)
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A bundled recipe by name (`qwen3-fp32`) or a YAML file by path."""
+    """A bundled recipe by name (`ort`, `ascend`, or per family: `qwen3-fp32`) or a YAML file by path."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.exists():
@@ -457,27 +500,53 @@ def load_recipe(name_or_path: str) -> Recipe:
         if not path.is_file():  # a directory, or a FIFO whose read would block
             raise RecipeError(f"{path}: not a regular file")
         text, where = read_recipe_text(path), str(path)
+    elif named := family_recipes().get(name_or_path):
+        return target_recipe(*named)
     else:
-        res = importlib.resources.files("qwen2om.recipes") / f"{name_or_path}.yaml"
-        if not res.is_file():
-            raise RecipeError(f"unknown recipe {name_or_path!r} (bundled: {', '.join(bundled_recipes())})")
-        text, where = res.read_text(encoding="utf-8"), f"recipes/{name_or_path}.yaml"
+        text, where = _bundled(name_or_path)
     recipe = from_mapping(parse_yaml(text, where), where)
     return dataclasses.replace(recipe, name=recipe.name or Path(where).stem)
 
 
-def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
-    """`key=value` strings applied on top of a recipe, strictly."""
+SETTINGS = tuple(k for k in FIELDS if k != "pipeline")  # what --set and typed settings may change
+
+
+def setting(key: str, value: Any, where: str) -> Any:
+    """One recipe field's value, typed as the field is (`16,32` → (16, 32), `"64"` → 64), by the rules
+    YAML values follow; a RecipeError naming `where` if it cannot be. `key` is a valid setting."""
+    return _coerce(key, value, where)
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """`--set key=value` strings → recipe field → typed value, each string parsed once, strictly;
+    the last of a key wins. Values are typed, not yet checked together (`with_settings` does that)."""
     changes: dict[str, Any] = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep:
             raise RecipeError(f"--set {item!r}: expected key=value")
-        if key not in FIELDS or key == "pipeline":
-            valid = ", ".join(k for k in FIELDS if k != "pipeline")
-            raise RecipeError(f"--set {item!r}: unknown key {key!r} (valid: {valid})")
-        changes[key] = _coerce(key, value.strip(), f"--set {item}")
-    recipe = dataclasses.replace(recipe, **changes)
+        if key not in SETTINGS:
+            raise RecipeError(f"--set {item!r}: unknown key {key!r} (valid: {', '.join(SETTINGS)})")
+        changes[key] = setting(key, value.strip(), f"--set {item}")
+    return changes
+
+
+def checked_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Typed settings given in code (`{"dtype": "fp16", "max_seq_len": 512}`): known keys, each value
+    typed by `setting`; what `parse_overrides` returns passes through unchanged."""
+    if unknown := [k for k in settings if k not in SETTINGS]:
+        raise RecipeError(f"unknown recipe setting {unknown[0]!r} (valid: {', '.join(SETTINGS)})")
+    return {k: setting(k, v, f"setting {k}={v!r}") for k, v in settings.items()}
+
+
+def with_settings(recipe: Recipe, settings: Mapping[str, Any]) -> Recipe:
+    """Typed settings applied on top of a recipe, the result checked."""
+    recipe = dataclasses.replace(recipe, **settings)
     recipe.check()
     return recipe
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """`key=value` strings applied on top of a recipe, strictly."""
+    return with_settings(recipe, parse_overrides(overrides))

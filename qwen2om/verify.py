@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen2om.arch import text_config
+from qwen2om.arch import LM_HEAD, text_config
 from qwen2om.builtin import resolve_model
 from qwen2om.errors import Qwen2omError
+from qwen2om.families import family_of
 from qwen2om.kernels.ascend import cpu_engine
 from qwen2om.output import MANIFEST, read_manifest, sha256_file
 from qwen2om.runtime.standalone import Engine
@@ -240,9 +241,10 @@ def load_reference(ref_dir: Path, loader: str = "exact") -> Any:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = set(model.state_dict())
     state = {n: ckpt.get(n, torch.float32) for n in names if n in ckpt or n in ckpt.quantized}
-    state |= {n: fused_experts(ckpt, n) for n in names - set(state) if n.endswith(FUSED) and not ckpt.fused_experts}
+    fused = family_of(ckpt.arch).names.is_fused
+    state |= {n: fused_experts(ckpt, n) for n in names - set(state) if fused(n) and not ckpt.fused_experts}
     missing = model.load_state_dict(state, strict=False).missing_keys
-    if set(missing) - {"lm_head.weight"}:
+    if set(missing) - {LM_HEAD}:
         raise Qwen2omError(f"{ref_dir}: the reference lacks {sorted(missing)[:3]}")
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -270,17 +272,11 @@ def check_same_vocabulary(model: Path, reference: Path, names: tuple[str, str] |
                            "compare a model with the checkpoint it was converted or calibrated from")
 
 
-FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-
-
 def fused_experts(ckpt: Any, name: str) -> torch.Tensor:
     """transformers 5's in-memory 3-D expert tensor `name`, assembled from per-expert weights."""
-    p = name.rsplit(".", 1)[0]
-    n = ckpt.dims.experts
-    if name.endswith("gate_up_proj"):
-        return torch.stack([torch.cat((ckpt.get(f"{p}.{e}.gate_proj.weight", torch.float32),
-                                       ckpt.get(f"{p}.{e}.up_proj.weight", torch.float32))) for e in range(n)])
-    return torch.stack([ckpt.get(f"{p}.{e}.down_proj.weight", torch.float32) for e in range(n)])
+    unfused = family_of(ckpt.arch).names.unfused
+    return torch.stack([torch.cat([ckpt.get(n, torch.float32) for n in unfused(name, e).values()])
+                        for e in range(ckpt.dims.experts)])
 
 
 def reference_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:

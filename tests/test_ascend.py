@@ -148,6 +148,7 @@ def test_int4_refusals_come_before_any_work(w4, tmp_path: Path, cli, monkeypatch
     question first, so nothing is staged, exported or left behind."""
     import qwen2om.convert as conv
     from qwen2om.builtin import resolve_model
+    from qwen2om.recipe import parse_overrides
 
     def untouchable(*args: object, **kwargs: object) -> None:
         raise AssertionError("convert started work before refusing")
@@ -159,8 +160,9 @@ def test_int4_refusals_come_before_any_work(w4, tmp_path: Path, cli, monkeypatch
         assert code != 0 and named in err and "completed" not in err, err
         assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
     for model, extra in ((resolve_model("builtin:tiny-qwen3"), []), (w4, ["weight_storage=int8"])):
-        r, dims = conv.choose_recipe(model, None, ["target=ascend", "soc_version=Ascend310B1", *extra])
-        conv.preflight(model, r, dims)  # float weights, or int4 stored as int8: nothing to refuse
+        config = conv.read_config(model)
+        r = conv.choose_recipe(config, None, parse_overrides(["target=ascend", "soc_version=Ascend310B1", *extra]))
+        conv.preflight(config, r)  # float weights, or int4 stored as int8: nothing to refuse
 
 
 def test_checker_lists_every_problem(tmp_path: Path, cli, converted, monkeypatch) -> None:

@@ -28,8 +28,9 @@ from qwen2om.errors import Qwen2omError
 from qwen2om.inspect import check_graphs
 from qwen2om.passes.legalize_ort import LegalizeOrt, drop_allowzero, slice_shapes
 from qwen2om.passes.lower_topk_ascend import LowerTopkAscend
-from qwen2om.pipeline import RunContext, Workspace
+from qwen2om.pipeline import RunContext
 from qwen2om.recipe import load_recipe
+from qwen2om.state import ConvertState
 
 RNG = np.random.default_rng(23)
 ASCEND = ("target=ascend", "soc_version=Ascend910B3")
@@ -105,7 +106,7 @@ def test_allowzero_is_kept_where_a_zero_could_matter() -> None:
 
 
 def test_legalize_reports_the_rewrites_and_a_second_run_changes_nothing(tmp_path: Path) -> None:
-    ws = Workspace(graphs={"prefill": ir.serde.deserialize_model(gears_like())})
+    ws = ConvertState(graphs={"prefill": ir.serde.deserialize_model(gears_like())})
     first = LegalizeOrt()(ws, context(tmp_path))
     assert first.modified and first.stats["shapes_sliced"] == 3 and first.stats["allowzero_dropped"] == 2
     again = LegalizeOrt()(ws, context(tmp_path))
@@ -139,9 +140,9 @@ def test_routing_topk_rounds_return_topk_bit_for_bit(tmp_path: Path, k: int, axi
     tied[1, 2:6] = 1.5  # four equal maxima
     feeds = {"logits": logits}
     want = run(proto, feeds)
-    ws = Workspace(graphs={"prefill": ir.serde.deserialize_model(proto)})
+    ws = ConvertState(graphs={"prefill": ir.serde.deserialize_model(proto)})
     result = LowerTopkAscend()(ws, context(tmp_path))
-    model = ws["graphs"]["prefill"]
+    model = ws.graphs["prefill"]
     assert result.modified and result.stats == {"lowered": 1}
     assert {n.op_type for n in model.graph} <= {"Softmax", "ArgMax", "GatherElements", "Equal", "Where", "Concat"}
     got = run(model, feeds)
@@ -157,11 +158,11 @@ def test_only_a_routers_topk_is_rewritten(tmp_path: Path) -> None:
     proto.graph.node[0].op_type = "Relu"
     proto.graph.node[0].ClearField("attribute")
     with pytest.raises(Qwen2omError, match=r"/model/layers.0/mlp/experts/TopK: TopK reads Relu, not a Softmax"):
-        LowerTopkAscend()(Workspace(graphs={"g": ir.serde.deserialize_model(proto)}), context(tmp_path))
+        LowerTopkAscend()(ConvertState(graphs={"g": ir.serde.deserialize_model(proto)}), context(tmp_path))
     smallest = router(2, -1)
     smallest.graph.node[1].attribute[1].i = 0  # largest=0
     with pytest.raises(Qwen2omError, match="largest=1"):
-        LowerTopkAscend()(Workspace(graphs={"g": ir.serde.deserialize_model(smallest)}), context(tmp_path))
+        LowerTopkAscend()(ConvertState(graphs={"g": ir.serde.deserialize_model(smallest)}), context(tmp_path))
 
 
 # -- whole conversions -----------------------------------------------------------------------------------

@@ -132,3 +132,13 @@ def test_gears_command_from_roles() -> None:
     for gears, message in (([4], "2..100 gears"), ([2, 8], "gear 8 is outside 1..4")):
         with pytest.raises(AtcError, match=message):
             atc_command("m.onnx", "m", {**graph, "gears": gears}, AtcOptions("Ascend910B3"))
+
+
+def test_atc_does_not_import_the_recipe_module() -> None:
+    """recipe → passes → compile_ascend → atc must not lead back to recipe: the limits both read live in targets.py."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qwen2om.atc, qwen2om.targets; "
+            "assert 'qwen2om.recipe' not in sys.modules, 'qwen2om.atc imports qwen2om.recipe'")
+    subprocess.run([sys.executable, "-c", code], check=True)

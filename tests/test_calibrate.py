@@ -604,7 +604,7 @@ def test_quantized_lm_head_of_a_tied_model(tmp_path) -> None:
     assert c.info("model.embed_tokens.weight").dtype.is_floating_point
     assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is False
     recipe = tmp_path / "acc4.yaml"
-    text = (Path(__file__).parents[1] / "recipes" / "qwen3-fp32.yaml").read_text()
+    text = (Path(__file__).parents[1] / "recipes" / "ort.yaml").read_text()
     recipe.write_text(text.replace("  - lower_int4 ", "  - lower_int4: {accuracy_level: 4} ", 1))
     out = tmp_path / "out"
     result = convert(ckpt, out, recipe=str(recipe), overrides=["max_seq_len=128", "prefill_chunk=16"])

@@ -132,7 +132,7 @@ def test_layouts_and_scale_dtypes(checkpoint, tmp_path: Path, fmt: str, scale_dt
 def write_recipe(tmp_path: Path, fp8_line: str) -> Path:
     import importlib.resources
 
-    text = (importlib.resources.files("qwen2om.recipes") / "qwen3-fp32.yaml").read_text()
+    text = (importlib.resources.files("qwen2om.recipes") / "ort.yaml").read_text()
     lines = [fp8_line if line.strip().startswith("- lower_fp8") else line for line in text.splitlines()]
     path = tmp_path / "recipe.yaml"
     path.write_text("\n".join(line for line in lines if line is not None) + "\n")

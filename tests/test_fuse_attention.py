@@ -31,9 +31,8 @@ def outs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, bool]
         found[name, batch, True] = tmp / "fused"
         convert(f"builtin:{name}", found[name, batch, True], overrides=overrides)
         found[name, batch, False] = tmp / "portable"
-        family = name.removeprefix("tiny-")
         convert(f"builtin:{name}", found[name, batch, False], overrides=overrides,
-                recipe=recipe_with(tmp, "portable", {"fuse_attention": None, "fuse_norm": None}, base=f"{family}-fp32"))
+                recipe=recipe_with(tmp, "portable", {"fuse_attention": None, "fuse_norm": None}))
     return found
 
 
@@ -168,7 +167,7 @@ def test_fused_prefill_with_gears_computes_what_the_portable_graph_computes(tmp_
     overrides = [*SMALL, "gears=4,8,32"]
     convert("builtin:tiny-qwen3", tmp_path / "fused", overrides=overrides)
     convert("builtin:tiny-qwen3", tmp_path / "portable", overrides=overrides,
-            recipe=recipe_with(tmp_path, "portable", {"fuse_attention": None, "fuse_norm": None}, base="qwen3-fp32"))
+            recipe=recipe_with(tmp_path, "portable", {"fuse_attention": None, "fuse_norm": None}))
     assert sum(n.op_type == "GroupQueryAttention" for n in graph(tmp_path / "fused", "prefill").node) == 4
     sessions = [ort.InferenceSession(str(tmp_path / kind / "model.prefill.onnx"), providers=["CPUExecutionProvider"])
                 for kind in ("fused", "portable")]

@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from qwen2om.graph_rewrite import MS_DOMAIN
 from qwen2om.passes.fuse_int4 import FuseInt4, fused_base
-from qwen2om.passes.lower_int4 import MS_DOMAIN
-from qwen2om.pipeline import Workspace
+from qwen2om.state import ConvertState
 from qwen2om.weights import WeightRef, Weights
 
 K, BLOCK = 64, 16
@@ -99,7 +99,8 @@ def test_fused_graph_matches_the_unfused_one(zero_point: bool) -> None:
     expected = run(reference_model, reference_weights, feeds)
 
     model, weights, bindings = build(zero_point)
-    ws = Workspace(graphs={"decode": model}, weights=(weights, bindings), int4_lowered=True, scale_map={})
+    ws = ConvertState(graphs={"decode": model}, weights=weights, bindings=bindings, scale_map={},
+                      facts={"int4_lowered"})
     result = FuseInt4()(ws, None)  # type: ignore[arg-type]
     assert result.modified and result.stats == {"decode_fused_groups": 2, "decode_fused_nodes": 5}
     assert op_counts(model) == {"MatMulNBits": 4, "Split": 2, "Relu": 6}
@@ -130,8 +131,8 @@ def test_fused_tensors_are_produced_lazily() -> None:
     calls: list[str] = []
     for name, produce in list(weights.derived.items()):
         weights.derived[name] = lambda name=name, produce=produce: calls.append(name) or produce()  # type: ignore[misc]
-    FuseInt4()(Workspace(graphs={"decode": model}, weights=(weights, bindings), int4_lowered=True,
-                         scale_map={}), None)  # type: ignore[arg-type]
+    FuseInt4()(ConvertState(graphs={"decode": model}, weights=weights, bindings=bindings,
+                            scale_map={}, facts={"int4_lowered"}), None)  # type: ignore[arg-type]
     assert calls == []
     b = weights.derived["model.layers.0.self_attn.q_proj+k_proj+v_proj.weight_nbits"]()
     assert b.shape == (96, K // BLOCK, BLOCK // 2) and len(calls) == 3
@@ -144,8 +145,8 @@ def test_scales_fed_as_inputs_are_left_alone() -> None:
             scale = ir.Value(name="q.scale", shape=node.inputs[2].shape, type=node.inputs[2].type)  # type: ignore[union-attr]
             model.graph.inputs.append(scale)
             node.replace_input_with(2, scale)
-    result = FuseInt4()(Workspace(graphs={"decode": model}, weights=(weights, bindings), int4_lowered=True,
-                                  scale_map={}), None)  # type: ignore[arg-type]
+    result = FuseInt4()(ConvertState(graphs={"decode": model}, weights=weights, bindings=bindings,
+                                     scale_map={}, facts={"int4_lowered"}), None)  # type: ignore[arg-type]
     assert result.stats == {"decode_fused_groups": 2, "decode_fused_nodes": 4}  # k+v and gate+up; q stays alone
 
 
@@ -172,7 +173,7 @@ def test_convert_fuses_qkv_and_gate_up(tmp_path: Path) -> None:
     summary = (tmp_path / "fused" / "graphs" / "summary.txt").read_text()
     assert "op     MatMulNBits 16" in summary and "op     Split 8" in summary
 
-    text = (Path(__file__).parents[1] / "recipes" / "qwen3-fp32.yaml").read_text()
+    text = (Path(__file__).parents[1] / "recipes" / "ort.yaml").read_text()
     recipe = tmp_path / "unfused.yaml"
     recipe.write_text("\n".join(line for line in text.splitlines() if "- fuse_int4" not in line) + "\n")
     convert(ckpt, tmp_path / "unfused", recipe=str(recipe), overrides=sets)

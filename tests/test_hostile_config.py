@@ -245,8 +245,8 @@ def recipe_file(tmp_path: Path, text: str | bytes, name: str = "r.yaml") -> str:
     return str(path)
 
 
-FULL_PIPELINE = ("[load_checkpoint, static_model, export_onnx, legalize_ort, {fuse_moe: {quantized: %s}}, write_onnx, "
-                 "package]")
+FULL_PIPELINE = ("[load_checkpoint, static_model, export_onnx, legalize_ort, lower_int4, lower_fp8, "
+                 "{fuse_moe: {quantized: %s}}, write_onnx, package]")
 
 
 def test_alias_bomb_fails_fast(tmp_path, within) -> None:
@@ -310,7 +310,9 @@ def test_non_utf8_and_oversized_recipes(tmp_path) -> None:
 def test_pass_arguments_are_checked_at_load(tmp_path, step: str, said: str) -> None:
     """accuracy_level 99 was a ValueError traceback from the pass's constructor, after staging."""
     text = ("family: qwen3\npipeline: [load_checkpoint, static_model, export_onnx, legalize_ort, lower_int4, "
-            f"{step}, write_onnx, package]\n").replace("lower_int4, {lower_int4", "{lower_int4")
+            f"lower_fp8, {step}, write_onnx, package]\n").replace("lower_int4, lower_fp8, {lower_int4",
+                                                                "lower_fp8, {lower_int4")
+    text = text.replace("lower_fp8, {lower_fp8", "lower_int4, {lower_fp8")
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file(tmp_path, text))
     assert said in str(e.value) and "r.yaml" in str(e.value)

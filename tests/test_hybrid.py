@@ -43,7 +43,7 @@ def test_builtin_hybrids_load(checkpoint, name: str) -> None:
     ckpt = Checkpoint(checkpoint(name))
     want = ckpt.validate_layout()
     d = ckpt.dims
-    assert ckpt.arch.builtin == name and ckpt.arch.hybrid
+    assert ckpt.arch.builtin == name and ckpt.arch.family == "hybrid"
     assert d.layer_types == (LINEAR, LINEAR, LINEAR, FULL) and d.rotary_dim == d.head_dim // 4
     assert "model.layers.0.linear_attn.conv1d.weight" in want and "model.layers.3.self_attn.q_norm.weight" in want
     assert want["model.layers.3.self_attn.q_proj.weight"] == (2 * d.heads * d.head_dim, d.hidden)  # query + gate

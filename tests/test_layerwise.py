@@ -51,7 +51,7 @@ def test_awq_scaling_leaves_each_layer_unchanged(checkpoint, model: str) -> None
     """AWQ divides a producer's output channels by s and multiplies its consumers' inputs by s: before
     quantisation the layer computes the same function. Qwen3.5's norms scale by (1 + w), so dividing w
     by s (as for a plain RMSNorm) changed every scaled layer."""
-    from qwen2om.quant.calibrate import AWQ_GROUPS, shrink_outputs
+    from qwen2om.quant.calibrate import shrink_outputs
 
     runner = LayerRunner(Checkpoint(checkpoint(model)))
     gen = torch.Generator().manual_seed(0)
@@ -62,7 +62,7 @@ def test_awq_scaling_leaves_each_layer_unchanged(checkpoint, model: str) -> None
         x = torch.randn(1, 7, runner.d.hidden, generator=gen)
         with torch.no_grad():
             before = runner.forward(layer, x)
-            for producer, consumers in AWQ_GROUPS:
+            for producer, consumers in runner.family.awq_groups:
                 if producer not in modules or not all(c in modules for c in consumers):
                     continue
                 prev = modules[producer]

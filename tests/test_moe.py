@@ -115,8 +115,9 @@ class Router:
         return text
 
 
-def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None], base: str = "qwen3-fp32") -> str:
-    """The bundled recipe `base` with pipeline lines replaced (by pass name) or dropped (None)."""
+def recipe_with(tmp_path: Path, name: str, edit: dict[str, str | None], base: str = "ort") -> str:
+    """The bundled recipe `base` with pipeline lines replaced (by pass name) or dropped (None); it names no
+    family, so the checkpoint's is used."""
     import importlib.resources
 
     text = (importlib.resources.files("qwen2om.recipes") / f"{base}.yaml").read_text()
@@ -211,7 +212,7 @@ def test_ort_recipe_fuses_experts(moe_out) -> None:
 
 
 def experts_recipe(tmp_path: Path) -> str:
-    """recipes/qwen3-fp32.yaml with quantised experts kept quantised in the graph (off by default)."""
+    """recipes/ort.yaml with quantised experts kept quantised in the graph (off by default)."""
     return recipe_with(tmp_path, "qwen3-experts", {"lower_int4": "lower_int4: {experts: true}",
                                                    "lower_fp8": "lower_fp8: {experts: true}"})
 

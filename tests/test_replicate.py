@@ -9,19 +9,20 @@ import onnxruntime as ort
 import pytest
 
 from qwen2om.builtin import resolve_model
-from qwen2om.convert import choose_recipe
-from qwen2om.pipeline import RunContext, Workspace, run_pipeline
+from qwen2om.convert import choose_recipe, read_config
+from qwen2om.pipeline import RunContext, run_pipeline
 from qwen2om.replicate import TemplateError, replicate_layers
+from qwen2om.state import ConvertState
 
 STEPS = ["load_checkpoint", "static_model"]
 
 
-def build(name: str, tmp_path, replicate: bool) -> tuple[Workspace, dict]:
+def build(name: str, tmp_path, replicate: bool) -> tuple[ConvertState, dict]:
     src = resolve_model(f"builtin:{name}")
-    r, _ = choose_recipe(src, None, ["max_seq_len=64", "prefill_chunk=8"])
+    r = choose_recipe(read_config(src), None, {"max_seq_len": 64, "prefill_chunk": 8})
     stage = tmp_path / ("rep" if replicate else "full")
     stage.mkdir()
-    ws = Workspace()
+    ws = ConvertState()
     ctx = RunContext(recipe=r, stage_dir=stage, source=src)
     steps = [(s, {}) for s in STEPS] + [("export_onnx", {"replicate": replicate}), ("legalize_ort", {}),
                                         ("write_onnx", {})]
@@ -68,10 +69,10 @@ def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path
 @pytest.mark.slow
 def test_cloned_nodes_are_named_after_their_layer(tmp_path) -> None:
     ws, _ = build("tiny-qwen3", tmp_path, True)
-    names = {n.name for n in ws["graphs"]["decode"].graph}
+    names = {n.name for n in ws.graphs["decode"].graph}
     for layer in range(4):
         assert f"/model/layers.{layer}/self_attn/q_proj/MatMul" in names
-    inits = set(ws["graphs"]["decode"].graph.initializers)
+    inits = set(ws.graphs["decode"].graph.initializers)
     assert "model.layers.3.mlp.down_proj.weight" in inits
 
 

@@ -29,17 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen2om.arch import LM_HEAD, float_linears, quantizable
+from qwen2om.arch import EMBED, LM_HEAD, float_linears, quantizable
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint
 from qwen2om.confine import confined
 from qwen2om.datasets import check_source, windows
 from qwen2om.errors import Qwen2omError
+from qwen2om.families import family_of
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import check_output, mark_written, staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
 from qwen2om.quant.experts import (
-    EXPERT,
     ExpertStats,
     expand_names,
     expanded_shape,
@@ -57,11 +57,6 @@ SCHEMES = ("w4a16", "fp8-block")
 METHODS = ("rtn", "gptq", "awq")
 FORMATS = ("compressed-tensors", "ascendv1")
 REPORT = "calibration_report.json"
-# AWQ's scaling groups: (the module whose output feeds them, the linears sharing that input).
-AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-              ("self_attn.v_proj", ("self_attn.o_proj",)),
-              ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-              ("mlp.up_proj", ("mlp.down_proj",)))
 COPY_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
@@ -261,6 +256,7 @@ class Calibrator:
     def __init__(self, ckpt: Checkpoint, cfg: CalibrationConfig, writer: ShardWriter,
                  progress: Callable[..., None], log: Callable[[str], None]) -> None:
         self.ckpt, self.cfg, self.writer, self.progress, self.log = ckpt, cfg, writer, progress, log
+        self.family = family_of(ckpt.arch)
         self.spec = Int4Spec(cfg.group_size, cfg.symmetric)
         self.reports: list[LinearReport] = []
         self.rtn_before: dict[str, float] = {}
@@ -292,7 +288,7 @@ class Calibrator:
                          self.spec.group)
 
     def source(self, name: str) -> str:
-        return "model.embed_tokens.weight" if name == LM_HEAD and LM_HEAD not in self.ckpt else name
+        return EMBED if name == LM_HEAD and LM_HEAD not in self.ckpt else name
 
     def finite(self, name: str, w: torch.Tensor) -> torch.Tensor:
         return self.finite_weight(name, w)
@@ -395,8 +391,8 @@ class Calibrator:
         inputs (computed by the quantised layer; none without `outputs`) and the float tensors AWQ
         changed, already written."""
         layer = runner.layer(index)
-        prefix = f"model.layers.{index}."
-        experts = [n for n in names if EXPERT.match(n)]
+        prefix = f"{self.family.names.layer(index)}."
+        experts = [n for n in names if self.family.names.parse_expert(n)]
         names = [n for n in names if n not in experts]
         linears = {f"{prefix}{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
         missing = [n for n in names if n not in linears]
@@ -409,11 +405,11 @@ class Calibrator:
         hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names}, stats,
                                    whole=not outputs)
         if stats is not None:
-            self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.quantize_hessian,
-                                                   self.quantize_rtn)
+            self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.family.names,
+                                                   self.quantize_hessian, self.quantize_rtn)
         changed: list[str] = []
         if self.cfg.method == "awq":
-            changed = self.awq_scale(layer, prefix, linears, names, hess, x_abs)
+            changed = self.awq_scale(layer, index, linears, names, hess, x_abs)
         for n in names:
             w = linears[n].weight.data.T.contiguous()  # stored [in, out]; the algorithms work on [out, in]
             w_hat = self.quantize_hessian(n, w, hess.pop(n))
@@ -462,7 +458,7 @@ class Calibrator:
         def hook(name: str) -> Callable[..., None]:
             def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
                 if last[0] is not args[0]:
-                    short = name.removeprefix(f"model.layers.{index}.").removesuffix(".weight")
+                    short = name.removeprefix(f"{self.family.names.layer(index)}.").removesuffix(".weight")
                     _finite_or_raise(args[0], index, batch, f"the input of {short}")
                     x = args[0].reshape(-1, args[0].shape[-1]).float()
                     last[0], last[1] = args[0], (gram(x), x.abs().sum(0), x.shape[0])
@@ -493,12 +489,13 @@ class Calibrator:
                 h.remove()
         return hess, x_abs
 
-    def awq_scale(self, layer: torch.nn.Module, prefix: str, linears: dict[str, Linear], names: list[str],
+    def awq_scale(self, layer: torch.nn.Module, index: int, linears: dict[str, Linear], names: list[str],
                   hess: dict[str, torch.Tensor], x_abs: dict[str, torch.Tensor]) -> list[str]:
         """Search and apply AWQ's input-channel scales in place; returns the float tensors changed."""
         modules = dict(layer.named_modules())
+        prefix = f"{self.family.names.layer(index)}."
         changed: list[str] = []
-        for producer, consumers in AWQ_GROUPS:
+        for producer, consumers in self.family.awq_groups:
             group = [f"{prefix}{c}.weight" for c in consumers]
             if not all(g in names for g in group):
                 continue
@@ -517,7 +514,7 @@ class Calibrator:
             for g in group:
                 linears[g].weight.data = (linears[g].weight.data.float() * s[:, None]).to(linears[g].weight.dtype)
                 hess[g] = hess[g] / (s[:, None] * s[None, :])
-        dtype = self.ckpt.info(f"{prefix}input_layernorm.weight").dtype
+        dtype = self.ckpt.info(self.family.names.input_norm(index)).dtype
         for name in changed:  # written as stored, and the layer keeps exactly the stored value
             module, attr = name.removeprefix(prefix).rsplit(".", 1)
             param = getattr(modules[module], attr)

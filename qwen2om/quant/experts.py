@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 
+from qwen2om.arch import ArchSpec
+from qwen2om.families import TensorNames, family_of
 from qwen2om.static_model import SparseMoE
 
-EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 MIN_TOKENS = 16
 MIN_FRACTION = 0.005  # and at least this share of the layer's tokens (as GPTQModel)
 
 
 class Reader(Protocol):
+    arch: ArchSpec
+
     def names(self) -> list[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None,
@@ -64,12 +65,12 @@ class ExpertSlice:
 
 def unfused_experts(ckpt: Reader) -> dict[str, ExpertSlice]:
     """Per-expert names (`...experts.E.{gate,up,down}_proj.weight`) of every fused expert stack in `ckpt`."""
+    names = family_of(ckpt.arch).names
     out: dict[str, ExpertSlice] = {}
     for name in ckpt.names():
-        if m := FUSED.match(name):
-            parts = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
+        if names.parse_fused(name):
             for e in range(ckpt.shape(name)[0]):
-                out |= {f"{m.group(1)}.{e}.{part}_proj.weight": ExpertSlice(name, e, part) for part in parts}
+                out |= {expert: ExpertSlice(name, e, part) for part, expert in names.unfused(name, e).items()}
     return out
 
 
@@ -139,16 +140,16 @@ def set_expert_weight(moe: SparseMoE, e: int, proj: str, w: torch.Tensor) -> Non
         moe.experts.gate_up.data[e][:, i:] = w.T.to(moe.experts.gate_up.dtype)
 
 
-def quantize_experts(moe: SparseMoE, stats: ExpertStats, names: list[str],
+def quantize_experts(moe: SparseMoE, stats: ExpertStats, names: list[str], naming: TensorNames,
                      gptq: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
                      rtn: Callable[[str, str], torch.Tensor]) -> dict[str, Any]:
     """Quantise the experts' weights in `names` (GPTQ, or RTN below the token threshold), write
     them through the callbacks and leave their dequantised values in `moe` for the next layer."""
     fell_back = []
     for name in names:
-        m = EXPERT.match(name)
-        assert m is not None
-        e, proj = int(m.group(2)), m.group(3)
+        parsed = naming.parse_expert(name)
+        assert parsed is not None
+        _, e, proj = parsed
         if stats.enough(e):
             w_hat = gptq(name, expert_weight(moe, e, proj).float(), stats.hessian(e, proj))
         else:

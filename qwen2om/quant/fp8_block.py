@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qwen2om.arch import LM_HEAD, float_linears, quantizable
+from qwen2om.arch import EMBED, LM_HEAD, float_linears, quantizable
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.quant import fp8
 from qwen2om.quant.experts import expand_names, expanded_shape, unfused_experts
@@ -91,7 +91,7 @@ def quantize_checkpoint(ckpt: Checkpoint, writer: ShardWriter, *, ignore: tuple[
         seconds.append(time.perf_counter() - t0)
         progress("quantising layers", i + 1, layers)
     if tied_head:  # the head becomes its own FP8 tensor; the embedding stays float
-        emit(LM_HEAD, "model.embed_tokens.weight")
+        emit(LM_HEAD, EMBED)
     quantized = targets | ({LM_HEAD} if tied_head else set())
     left_float = float_linears(names, lambda n: len(expanded_shape(ckpt, slices, n)), quantized)
     return reports, seconds, left_float

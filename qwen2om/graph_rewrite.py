@@ -1,0 +1,188 @@
+"""Graph-rewrite helpers the passes share, and the names passes use to find each other's tensors.
+
+Passes never import one another (tests/test_pass_imports.py): what more than one pass needs lives
+here. Two kinds of thing:
+
+- helpers on an onnx_ir graph: shared constants and derived initializers, the quantised MatMuls
+  of a graph and their replacement, the nodes of a named scope and the boundary of such a region,
+  MoE expert stacks;
+- the naming protocol: the initializer suffixes under which `lower_int4` / `lower_fp8` store their
+  scales (`scale_inputs` finds scales by them, `fuse_int4` the MatMulNBits tensors) and the name of
+  a scale once it is a graph input.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from qwen2om.families import QWEN_NAMES
+from qwen2om.weights import WeightRef
+
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+
+# -- naming protocol ----------------------------------------------------------------------------
+NBITS_WEIGHT = ".weight_nbits"  # MatMulNBits' B, [N, K/block, block/2]
+NBITS_SCALE = ".weight_nbits_scale"  # its scales: scale_inputs finds int4 scales by this suffix
+NBITS_ZERO_POINT = ".weight_nbits_zero_point"
+FP8_SCALE = ".weight_fp8_scale"  # an FP8 weight's block scale: scale_inputs finds FP8 scales by this suffix
+
+
+def scale_input(base: str) -> str:
+    """The graph input a scale becomes with `scales: inputs`: `<module>.weight.scale`."""
+    return f"{base}.weight.scale"
+
+
+# -- constants and initializers -----------------------------------------------------------------
+def const(graph: ir.Graph, name: str, value: np.ndarray) -> ir.Value:
+    """A small inline constant, shared by name."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    v = ir.Value(name=name, shape=ir.Shape(value.shape), type=ir.TensorType(ir.DataType.from_numpy(value.dtype)),
+                 const_value=ir.tensor(value, name=name))
+    graph.register_initializer(v)
+    return v
+
+
+def is_constant(v: ir.Value | None) -> bool:
+    """An initializer, or computed from initializers and tensor shapes only, never from tensor data
+    (ConstantOfShape of a shape constant; in a graph with prefill gears, the exporter's arithmetic on
+    `Shape` of the symbolic-T inputs, which it shares between layers like any constant)."""
+    if v is None or v.is_initializer():
+        return True
+    node = v.producer()
+    return node is not None and (node.op_type == "Shape" or all(is_constant(i) for i in node.inputs))
+
+
+def derived_initializer(graph: ir.Graph, bindings: dict[str, WeightRef], weights: Any, name: str,
+                        dtype: ir.DataType, shape: list[int], produce: Callable[[], torch.Tensor]) -> ir.Value:
+    """An initializer that write_onnx fills from `produce()` (int4 / FP8 storage, scales), once per
+    name whatever the number of graphs using it."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    v = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+    graph.initializers.add(v)
+    weights.derived[name] = produce
+    bindings[name] = WeightRef(name)
+    return v
+
+
+def scoped_op(nodes: list[ir.Node], scope: str, kind: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
+    """Append a standard-domain node `{scope}/{kind}_{i}` (i: its index in `nodes`) and return its
+    one output, `{scope}/{kind}_{i}_out`; attributes are strings, ints or int lists."""
+    attributes = [ir.AttrString(a, v) if isinstance(v, str) else ir.AttrInt64(a, v) if isinstance(v, int)
+                  else ir.AttrInt64s(a, v) for a, v in attrs.items()]  # type: ignore[arg-type]
+    node = ir.Node("", kind, list(inputs), attributes, num_outputs=1, name=f"{scope}/{kind}_{len(nodes)}")
+    node.outputs[0].name = f"{scope}/{kind}_{len(nodes)}_out"
+    nodes.append(node)
+    return node.outputs[0]
+
+
+# -- quantised MatMuls --------------------------------------------------------------------------
+def quantized_matmuls(graph: ir.Graph, bindings: dict[str, WeightRef], quantized: dict[str, Any],
+                      kind: type) -> list[tuple[ir.Node, Any]]:
+    """The graph's `MatMul(x, Wᵀ)` nodes whose weight is a checkpoint weight of type `kind`
+    (Int4Weight, Fp8Weight), with it; a snapshot, so the caller may rewrite as it goes."""
+    found = []
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        w = node.inputs[1]
+        ref = bindings.get(w.name) if w is not None and w.is_initializer() else None
+        q = quantized.get(ref.source) if ref is not None and ref.transpose else None
+        if isinstance(q, kind):
+            found.append((node, q))
+    return found
+
+
+def replace_matmul(graph: ir.Graph, node: ir.Node, new: list[ir.Node], out: ir.Value) -> None:
+    """Put `new` (computing `out`) where the MatMul `node` was: `out` takes its output's name, shape
+    and uses (a graph output, the fp32 LM head's `logits`, included); its weight goes when unused."""
+    old, w = node.outputs[0], node.inputs[1]
+    graph.insert_before(node, new)
+    out.shape, out.type = old.shape, old.type
+    if old.is_graph_output():  # first: replace_all_uses_with refuses a graph output
+        graph.outputs[list(graph.outputs).index(old)] = out
+    old.replace_all_uses_with(out)
+    name = old.name
+    graph.remove(node, safe=True)
+    out.name = name
+    if w is not None and not w.uses():
+        graph.initializers.pop(w.name)
+
+
+# -- scoped regions -----------------------------------------------------------------------------
+def regions(graph: ir.Graph, *, scope: re.Pattern[str]) -> dict[int, list[ir.Node]]:
+    """Layer → the nodes whose name `scope` matches (group 1 is the layer), in graph order."""
+    found: dict[int, list[ir.Node]] = {}
+    for node in graph:
+        if m := scope.match(node.name or ""):
+            found.setdefault(int(m.group(1)), []).append(node)
+    return found
+
+
+def boundary(graph: ir.Graph, nodes: list[ir.Node]) -> tuple[list[ir.Value], list[ir.Value]]:
+    """Non-constant values the region reads from outside it, and values it produces that are read outside."""
+    members = set(nodes)
+    inputs: list[ir.Value] = []
+    for node in nodes:
+        for v in node.inputs:
+            if is_constant(v) or v in inputs:
+                continue
+            if v.producer() not in members:
+                inputs.append(v)
+    outputs = [v for node in nodes for v in node.outputs
+               if v.is_graph_output() or any(user not in members for user, _ in v.uses())]
+    return inputs, outputs
+
+
+# -- MoE expert stacks --------------------------------------------------------------------------
+
+
+def expert_stacks(graph: ir.Graph, ckpt: Any) -> Iterator[tuple[ir.Value, str, str, dict[str, list[Any]]]]:
+    """Each MoE layer's float expert stack still in use (`gate_up` or `down`), with its layer prefix,
+    which stack it is, and the checkpoint's quantised weight of each of its projections per expert
+    (None where an expert's weight is not quantised); a snapshot, so the caller may rewrite as it goes."""
+    for init in list(graph.initializers.values()):
+        stack = QWEN_NAMES.parse_stack(init.name or "")
+        if stack is None or not init.uses():
+            continue
+        p, which = stack
+        projs = ("gate", "up") if which == "gate_up" else ("down",)
+        yield init, p, which, {proj: [ckpt.quantized.get(QWEN_NAMES.expert(p, e, proj))
+                                      for e in range(ckpt.dims.experts)] for proj in projs}
+
+
+def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value, scales: list[ir.Value],
+                       dequant: Callable[[list[ir.Node], ir.Value, list[ir.Value], int], ir.Value]) -> None:
+    """Point every use of the float expert stack `init` at `dequant(nodes, bytes, scales, lead)`.
+
+    A GatherND of the routed experts (decode) becomes GatherNDs of the bytes and the scale stacks,
+    dequantised after, so a step dequantises k experts, not E; any other use (prefill's MatMul)
+    gets the whole stack, dequantised once at the top of the graph."""
+    full: ir.Value | None = None
+    for node, _ in list(init.uses()):
+        nodes: list[ir.Node] = []
+        if node.op_type == "GatherND" and node.inputs[0] is init:
+            idx = node.inputs[1]
+            lead = len(idx.shape) - 1 if idx.shape is not None else 2
+            gathered = [scoped_op(nodes, scope, "GatherND", v, idx) for v in (wq, *scales)]
+            out = dequant(nodes, gathered[0], gathered[1:], lead)
+            graph.insert_before(node, nodes)
+            old = node.outputs[0]
+            out.shape, out.type = old.shape, old.type
+            old.replace_all_uses_with(out)
+            graph.remove(node, safe=True)
+            continue
+        if full is None:
+            full = dequant(nodes, wq, scales, 1)
+            full.shape, full.type = init.shape, init.type
+            graph.insert_before(graph.node(0), nodes)
+        node.replace_input_with(list(node.inputs).index(init), full)
+    if not init.uses():
+        graph.initializers.pop(init.name)
