@@ -203,7 +203,7 @@ def int4_experts(ckpt: object, layer: int) -> dict[str, list[Int4Weight]] | None
     q = {proj: [quantized.get(QWEN_NAMES.expert(QWEN_NAMES.mlp(layer), x, proj)) for x in range(e)]
          for proj in ("gate", "up", "down")}
     flat = [w for ws in q.values() for w in ws]
-    if not all(isinstance(w, Int4Weight) and w.symmetric and w.fmt == "compressed-tensors" for w in flat):
+    if not all(isinstance(w, Int4Weight) and w.symmetric and w.layout.packs_int32 for w in flat):
         return None
     groups = {w.group for w in flat}
     g = groups.pop() if len(groups) == 1 else 0

@@ -115,7 +115,7 @@ def lower_int4_stacks(state: ConvertState, graph: ir.Graph, ckpt: Any, weights: 
     for init, p, which, qs in expert_stacks(graph, ckpt):
         projs = tuple(qs)
         flat = [q for group in qs.values() for q in group]
-        if not all(isinstance(q, Int4Weight) and q.symmetric and q.fmt == "compressed-tensors" and not q.k % q.group
+        if not all(isinstance(q, Int4Weight) and q.symmetric and q.layout.packs_int32 and not q.k % q.group
                    for q in flat) or len({q.group for q in flat}) != 1:
             continue
         n = sum(group[0].n for group in qs.values())

@@ -23,7 +23,8 @@ import torch
 from qwen2om.arch import ArchSpec, ModelDims, expected_tensors, resolve_arch, text_config
 from qwen2om.confine import confined
 from qwen2om.errors import CheckpointError
-from qwen2om.quantized import DESCRIPTION, Fp8Weight, QuantWeight, read_quantization
+from qwen2om.quant.formats import read_quantization
+from qwen2om.quantized import DESCRIPTION, Fp8Weight, QuantWeight
 from qwen2om.safetensors_io import DTYPE_NAMES, DuplicateKey, Shard, TensorInfo, strict_json
 
 SCAN_BLOCK = 16 << 20

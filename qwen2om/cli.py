@@ -425,9 +425,6 @@ def verify(
         raise typer.Exit(1)
 
 
-CT = "compressed-tensors"
-
-
 @app.command()
 def calibrate(
     model: Annotated[str, typer.Argument(help="float checkpoint directory or builtin:NAME")],
@@ -468,15 +465,12 @@ def calibrate(
     Layer by layer; norms, embeddings, RoPE and router gates always stay float. Writes a
     compressed-tensors checkpoint that `convert`, transformers and vLLM read (or msModelSlim's
     layout), with calibration_report.json."""
-    from qwen2om.quant.calibrate import CalibrationError, calibration_config
     from qwen2om.quant.calibrate import calibrate as run_calibrate
+    from qwen2om.quant.config import calibration_config
+    from qwen2om.quant.schemes import FP8_BLOCK
 
-    if scheme == "fp8-block":
-        w4_only = {"--method": method not in (None, "rtn"), "--group-size": group_size is not None,
-                   "--sym/--asym": sym is not None, "--dataset": dataset is not None}
-        if given := [flag for flag, used in w4_only.items() if used]:
-            raise CalibrationError(f"{', '.join(given)}: not used by --scheme fp8-block (data-free: each 128×128 "
-                                   "tile's largest |w| maps to e4m3fn's 448)")
+    # Every check (a flag --scheme fp8-block ignores, a method or format it does not take) is the
+    # library's: calibration_config builds the CalibrationConfig, which its scheme checks.
     flags = {"scheme": scheme, "method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
              "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
              "compute_dtype": compute_dtype, "quantize_lm_head": quantize_lm_head, "fmt": fmt}
@@ -484,7 +478,7 @@ def calibrate(
     with progress_bar() as progress:
         result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
     r = result.report
-    if r["scheme"] == "fp8-block":
+    if r["scheme"] == FP8_BLOCK.name:
         print_fp8_report(model, out, r)
         return
     table = Table(title=f"calibrate {model} → {out} ({r['method']}, group {r['group_size']}, "
@@ -635,11 +629,13 @@ def inspect(
 
 def print_quantized_modules(info: CheckpointInfo) -> None:
     """A quantised checkpoint's weights by module (layers folded), and how it was made."""
+    from qwen2om.quant.formats import FORMATS
+
     qc = info.quantization_config or {}
     made = qc.get("qwen2om") or {}
-    # an ascendv1 checkpoint says what it is in quant_model_description.json, not in config.json;
+    # an ascendv1 checkpoint says what it is in its marker file (quant_model_description.json), not in config.json;
     # Hugging Face's FP8 names its element format `fmt` (e4m3) and its tiles `weight_block_size`
-    fmt = qc.get("format") or qc.get("fmt") or " · ".join(f for f in info.formats if f != "compressed-tensors")
+    fmt = qc.get("format") or qc.get("fmt") or " · ".join(f for f in info.formats if FORMATS.get(f).marker)
     block = qc.get("weight_block_size")
     parts = (qc.get("quant_method"), fmt, block and "×".join(map(str, block)) + " blocks", made.get("method"),
              made.get("dataset"))

@@ -20,15 +20,16 @@ FP8 (e4m3fn weights, float activations: what Qwen publishes as Qwen3-*-FP8):
   activation quantisation is not reproduced: activations stay in the compute dtype.
 
 Either way `w = q · scale` per tile (see qwen2om.quant.fp8), read as that in float32.
+
+Each format is an entry of qwen2om.quant.formats.FORMATS, which holds its reader (how it is
+announced and parsed into these weights) and its storage facts; a weight asks its entry (`layout`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +37,9 @@ from qwen2om.errors import CheckpointError
 from qwen2om.quant import fp8
 from qwen2om.quant.int4 import dequantize, pack_int4, unpack_int4
 from qwen2om.safetensors_io import Shard
+
+if TYPE_CHECKING:
+    from qwen2om.quant.formats import Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +49,15 @@ class Int4Weight:
     k: int
     group: int
     symmetric: bool
-    fmt: str = "compressed-tensors"  # or "ascendv1"
+    fmt: str = "compressed-tensors"  # a FORMATS name (qwen2om.quant.formats): how the values are stored
     kind = "int4"
+
+    @property
+    def layout(self) -> Format:
+        """Its format's registry entry: which tensors hold the values and the zero point."""
+        from qwen2om.quant.formats import FORMATS  # formats' readers build this module's weights
+
+        return FORMATS.get(self.fmt)
 
     @property
     def base(self) -> str:
@@ -68,15 +79,14 @@ class Int4Weight:
         return f"{self.base}.weight_{part}"
 
     def validate(self, ckpt: Any) -> None:
-        if self.fmt == "ascendv1":
-            want = {"scale": (self.n, self.k // self.group), "offset": (self.n, self.k // self.group)}
-            if ckpt.info(self.name).dtype != torch.int8:
-                raise CheckpointError(f"{ckpt.root}: {self.name!r} is {ckpt.info(self.name).dtype}; W4A16 in "
-                                      "quant_model_description.json needs int8 values in [-8, 7]")
-        else:
-            want = {"packed": (self.n, math.ceil(self.k / 8)), "scale": (self.n, self.k // self.group)}
-        if not self.symmetric and self.fmt != "ascendv1":
-            want["zero_point"] = (math.ceil(self.n / 8), self.k // self.group)
+        layout = self.layout
+        want = {"packed": (self.n, math.ceil(self.k / 8))} if layout.packs_int32 else {}
+        if not layout.packs_int32 and ckpt.info(self.name).dtype != torch.int8:
+            raise CheckpointError(f"{ckpt.root}: {self.name!r} is {ckpt.info(self.name).dtype}; W4A16 in "
+                                  f"{layout.marker} needs int8 values in [-8, 7]")
+        want["scale"] = (self.n, self.k // self.group)
+        if self.has_zero_point:  # packed along N with the values; one per group as stored otherwise
+            want[layout.zero_point] = (math.ceil(self.n / 8) if layout.packs_int32 else self.n, self.k // self.group)
         for part, shape in want.items():
             name = self.tensor(part)
             if name not in ckpt:
@@ -91,21 +101,21 @@ class Int4Weight:
 
     def unpacked(self, ckpt: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q int8 [N, K], scale [N, K/g], zero point [N, K/g] or None), as stored."""
-        if self.fmt == "ascendv1":
-            return ckpt.raw(self.name), ckpt.raw(self.tensor("scale")), ckpt.raw(self.tensor("offset"))
+        if not self.layout.packs_int32:
+            return ckpt.raw(self.name), ckpt.raw(self.tensor("scale")), ckpt.raw(self.tensor(self.layout.zero_point))
         q = unpack_int4(ckpt.raw(self.tensor("packed")), self.k)
         scale = ckpt.raw(self.tensor("scale"))
-        zp = None if self.symmetric else unpack_int4(ckpt.raw(self.tensor("zero_point")), self.n, dim=0)
+        zp = None if self.symmetric else unpack_int4(ckpt.raw(self.tensor(self.layout.zero_point)), self.n, dim=0)
         return q, scale, zp
 
     def nbits_b(self, ckpt: Any) -> torch.Tensor:
         """ONNX Runtime MatMulNBits' B: uint8 [N, K/block, block/2], low nibble first, value + 8."""
-        packed = pack_int4(ckpt.raw(self.name)) if self.fmt == "ascendv1" else ckpt.raw(self.tensor("packed"))
+        packed = ckpt.raw(self.tensor("packed")) if self.layout.packs_int32 else pack_int4(ckpt.raw(self.name))
         return packed.view(torch.uint8).reshape(self.n, self.k // self.group, self.group // 2)
 
     @property
     def has_zero_point(self) -> bool:
-        return self.fmt == "ascendv1" or not self.symmetric
+        return self.layout.always_zero_point or not self.symmetric
 
     def nbits_zero_points(self, ckpt: Any) -> torch.Tensor:
         """MatMulNBits' zero points: uint8, two blocks per byte along K, value + 8."""
@@ -113,7 +123,7 @@ class Int4Weight:
         assert zp is not None
         zi = torch.round(zp.float())
         if not torch.equal(zi, zp.float()) or zi.min() < -8 or zi.max() > 7:
-            raise CheckpointError(f"{self.tensor('offset' if self.fmt == 'ascendv1' else 'zero_point')!r}: zero "
+            raise CheckpointError(f"{self.tensor(self.layout.zero_point)!r}: zero "
                                   "points must be integers in [-8, 7] for an int4 kernel")
         z = zi.to(torch.int32) + 8
         if z.shape[1] % 2:
@@ -136,7 +146,7 @@ class Fp8Weight:
     k: int
     block: tuple[int, int]
     scale_name: str
-    fmt: str = "fp8"  # Hugging Face fine-grained; or "compressed-tensors"
+    fmt: str = "fp8"  # a FORMATS name: Hugging Face fine-grained, or compressed-tensors
     kind = "fp8"
 
     @property
@@ -213,107 +223,4 @@ def read_fp8(where: dict[str, Any], source: str, block: tuple[int, int] | None, 
     return out
 
 
-def read_hf_fp8(qc: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
-    cfg = f"{source}/config.json"
-    if qc.get("fmt", "e4m3") != "e4m3":
-        raise CheckpointError(f"{cfg}: FP8 fmt {qc.get('fmt')!r} is not supported (supported: e4m3)")
-    if "weight_block_size" not in qc or qc["weight_block_size"] is None:
-        raise CheckpointError(f"{cfg}: quantization_config has no weight_block_size; fine-grained FP8 needs "
-                              "[rows, columns] (128, 128 in Qwen's releases)")
-    block = block_size(qc["weight_block_size"], f"{cfg}: weight_block_size")
-    return read_fp8(where, source, block, ".weight_scale_inv", "fp8")
-
-
 DESCRIPTION = "quant_model_description.json"
-
-
-def read_description(root: Path, where: dict[str, Any]) -> dict[str, QuantWeight]:
-    """msModelSlim W4A16: the description names the quantised tensors; shapes give the group."""
-    path = root / DESCRIPTION
-    try:
-        desc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    kind = desc.get("model_quant_type")
-    if kind != "W4A16":
-        raise CheckpointError(f"{path}: model_quant_type {kind!r} is not supported (supported: W4A16)")
-    out: dict[str, QuantWeight] = {}
-    shards: dict[Any, Shard] = {}
-    for name, typ in sorted(desc.items()):
-        if typ != "W4A16" or not name.endswith(".weight"):
-            continue
-        base = name.removesuffix(".weight")
-        missing = [t for t in (name, f"{base}.weight_scale", f"{base}.weight_offset") if t not in where]
-        if missing:
-            raise CheckpointError(f"{path} marks {name!r} W4A16, but the checkpoint has no {missing[0]!r}")
-        shard = shards.setdefault(where[name], Shard(where[name]))
-        n, k = shard.tensors[name].shape
-        sshard = shards.setdefault(where[f"{base}.weight_scale"], Shard(where[f"{base}.weight_scale"]))
-        groups = sshard.tensors[f"{base}.weight_scale"].shape[-1]
-        group = int(desc.get("group_size") or (k // groups))
-        out[name] = Int4Weight(name, n, k, group, symmetric=False, fmt="ascendv1")
-    for shard in shards.values():
-        shard.close()
-    return out
-
-
-def read_ct_fp8(w: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
-    """compressed-tensors FP8_BLOCK (`strategy: block`) and FP8_DYNAMIC (`strategy: channel`)."""
-    strategy = w.get("strategy")
-    if strategy == "block":
-        block = block_size(w.get("block_structure"), f"{source}/config.json: block_structure")
-    elif strategy == "channel":
-        block = None
-    else:
-        raise CheckpointError(f"{source}/config.json: compressed-tensors FP8 strategy {strategy!r} is not supported "
-                              "(supported: block, channel)")
-    if not w.get("symmetric", True):
-        raise CheckpointError(f"{source}/config.json: asymmetric FP8 weights are not supported")
-    return read_fp8(where, source, block, ".weight_scale", "compressed-tensors")
-
-
-def read_quantization(cfg: dict[str, Any], where: dict[str, Any], source: str) -> dict[str, QuantWeight]:
-    """The quantised weights of a checkpoint ({} for a float one); unsupported schemes are refused."""
-    if (Path(source) / DESCRIPTION).is_file():
-        return read_description(Path(source), where)
-    qc = cfg.get("quantization_config")
-    if not qc:
-        return {}
-    method = qc.get("quant_method")
-    if method == "fp8":
-        return read_hf_fp8(qc, where, source)
-    if method != "compressed-tensors":
-        raise CheckpointError(f"{source}/config.json: quantization {method!r} is not supported "
-                              "(supported: compressed-tensors W4A16 / FP8, fp8)")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise CheckpointError(f"{source}/config.json: {len(groups)} quantisation config groups; one is supported")
-    group = next(iter(groups.values()))
-    w = group.get("weights") or {}
-    fmt = group.get("format") or qc.get("format")
-    if (w.get("type"), w.get("num_bits")) == ("float", 8):
-        return read_ct_fp8(w, where, source)
-    if (fmt, w.get("num_bits"), w.get("type"), w.get("strategy")) != ("pack-quantized", 4, "int", "group") or (
-            group.get("input_activations")):
-        raise CheckpointError(f"{source}/config.json: compressed-tensors {fmt} {w.get('type')}{w.get('num_bits')} "
-                              f"{w.get('strategy')} with activations {group.get('input_activations')} is not "
-                              "supported (supported: pack-quantized int4 group weights, float activations)")
-    if w.get("actorder") == "group":
-        raise CheckpointError(f"{source}/config.json: actorder 'group' needs a run-time permutation (g_idx); "
-                              "re-quantise with actorder 'static' or none")
-    shards: dict[Any, Shard] = {}
-    out: dict[str, QuantWeight] = {}
-    for name in sorted(where):
-        if not name.endswith(".weight_packed"):
-            continue
-        base = name.removesuffix(".weight_packed")
-        shape_name = f"{base}.weight_shape"
-        if shape_name not in where:
-            raise CheckpointError(f"{source}: quantised weight {base!r} has no {shape_name!r}")
-        shard = shards.setdefault(where[shape_name], Shard(where[shape_name]))
-        n, k = (int(x) for x in shard.read(shape_name).tolist())
-        out[f"{base}.weight"] = Int4Weight(f"{base}.weight", n, k, int(w.get("group_size") or k),
-                                           bool(w.get("symmetric", True)))
-    for shard in shards.values():
-        shard.close()
-    return out

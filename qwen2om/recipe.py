@@ -310,12 +310,36 @@ def _coerce(key: str, value: Any, where: str) -> Any:
     if value == AUTO and key in ("max_seq_len", "prefill_chunk"):
         return AUTO
     want = int if isinstance(default, int) or key in ("max_seq_len", "prefill_chunk") else type(default)
+    return typed(key, value, want, where)
+
+
+def typed(key: str, value: Any, want: type, where: str) -> Any:
+    """`value` as a `want` (int, float, bool, str, or tuple of str), by the rules YAML values and --set
+    strings follow: `"64"` → 64, `"true"` → True; a float or a boolean is never an integer. Anything
+    else is a RecipeError naming `where`. Recipes and calibration settings share these rules."""
     if want is int:
         # YAML gives ints; --set gives digit strings. Floats and booleans are mistakes, not integers.
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and
                                                                        value.strip().lstrip("-").isdigit())):
             raise RecipeError(f"{where}: {key}={value!r} must be an integer")
         return int(value)
+    if want is bool:
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if not isinstance(value, bool):
+            raise RecipeError(f"{where}: {key}={value!r} must be true or false")
+        return value
+    if want is float:
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise ValueError
+            return float(value)
+        except ValueError:
+            raise RecipeError(f"{where}: {key}={value!r} must be a number") from None
+    if want is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{where}: {key}={value!r} must be a list of strings")
+        return tuple(value)
     if not isinstance(value, str):
         raise RecipeError(f"{where}: {key}={value!r} must be a string")
     return value

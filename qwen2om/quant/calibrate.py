@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -34,11 +33,12 @@ from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint
 from qwen2om.confine import confined
 from qwen2om.datasets import check_source, windows
-from qwen2om.errors import Qwen2omError
 from qwen2om.families import family_of
 from qwen2om.layerwise import ActivationStore, LayerRunner
 from qwen2om.output import check_output, mark_written, staged_output
 from qwen2om.quant.awq import clip_quantize, search_scale
+from qwen2om.quant.config import CalibrationConfig
+from qwen2om.quant.config import calibration_config as calibration_config  # the CLI's and tests' import
 from qwen2om.quant.experts import (
     ExpertStats,
     expand_names,
@@ -46,44 +46,17 @@ from qwen2om.quant.experts import (
     quantize_experts,
     unfused_experts,
 )
+from qwen2om.quant.formats import FORMATS
 from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_errors
-from qwen2om.quant.int4 import Int4Spec, dequantize, pack_int4, quantize, rtn
+from qwen2om.quant.int4 import Int4Spec, dequantize, quantize, rtn
+from qwen2om.quant.schemes import FP8_BLOCK, RTN, W4A16, CalibrationError
 from qwen2om.quant.writer import ShardWriter, copy_tensor
 from qwen2om.quantized import DESCRIPTION
 from qwen2om.static_hybrid import ZeroCentredRMSNorm
 from qwen2om.static_model import Linear
 
-SCHEMES = ("w4a16", "fp8-block")
-METHODS = ("rtn", "gptq", "awq")
-FORMATS = ("compressed-tensors", "ascendv1")
 REPORT = "calibration_report.json"
 COPY_FILES = (*TOKENIZER_FILES, "generation_config.json")
-
-
-class CalibrationError(Qwen2omError):
-    """Calibration cannot go on (non-finite activations, a group size that does not fit, …)."""
-
-
-@dataclasses.dataclass
-class CalibrationConfig:
-    scheme: str = "w4a16"  # or "fp8-block" (data-free; qwen2om/quant/fp8_block.py)
-    method: str = "gptq"
-    group_size: int = 128
-    symmetric: bool = True
-    dataset: str = "builtin:chat+prose+code"
-    num_samples: int = 500
-    seq_len: int | None = None  # default: 2048 or the model's limit
-    batch_size: int = 1  # samples per forward: faster per layer, more activation memory at once
-    quantize_lm_head: bool = False
-    ignore: tuple[str, ...] = ()
-    damp: float = 0.01
-    actorder: bool = True
-    activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
-    # The layers' forward passes: float32, or bfloat16 / float16 (matmuls ~1.8x faster on CPUs with bf16
-    # instructions, a whole calibration ~20 % at Qwen3-0.6B's shapes; "auto": the checkpoint's own
-    # dtype). Activations between layers, Hessians and the quantisation stay float32.
-    compute_dtype: str = "float32"
-    fmt: str = "compressed-tensors"  # or "ascendv1" (msModelSlim's W4A16, for MindIE / vLLM-Ascend)
 
 
 @dataclasses.dataclass
@@ -95,9 +68,6 @@ class LinearReport:
     note: str = ""
 
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
-
-
 def compute_dtype(cfg: CalibrationConfig, ckpt: Checkpoint) -> torch.dtype:
     if cfg.compute_dtype != "auto":
         return getattr(torch, cfg.compute_dtype)
@@ -106,53 +76,10 @@ def compute_dtype(cfg: CalibrationConfig, ckpt: Checkpoint) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def calibration_config(recipe: Path | None, flags: dict[str, Any], ignore: tuple[str, ...] = ()) -> CalibrationConfig:
-    """Defaults, then a recipe file's settings, then the command line's; `ignore` lists add up."""
-    import yaml
-
-    fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
-    settings: dict[str, Any] = {}
-    if recipe is not None:
-        try:
-            data = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as e:
-            raise CalibrationError(f"{recipe}: cannot read the calibration recipe ({e})") from None
-        if not isinstance(data, dict):
-            raise CalibrationError(f"{recipe}: a calibration recipe is a mapping of settings")
-        data = {("fmt" if k == "format" else k): v for k, v in data.items()}
-        if unknown := sorted(set(data) - fields):
-            raise CalibrationError(f"{recipe}: unknown setting(s) {', '.join(unknown)} "
-                                   f"(known: {', '.join(sorted(f if f != 'fmt' else 'format' for f in fields))})")
-        settings.update(data)
-    settings.update(flags)
-    settings["ignore"] = (*tuple(settings.get("ignore") or ()), *ignore)
-    try:
-        cfg = CalibrationConfig(**settings)
-    except TypeError as e:
-        raise CalibrationError(f"calibration settings: {e}") from None
-    # convert's spellings too: `--dtype fp16` there, `--compute-dtype fp16` here
-    cfg.compute_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.compute_dtype,
-                                                                                      cfg.compute_dtype)
-    if cfg.compute_dtype not in COMPUTE_DTYPES:
-        raise CalibrationError(f"compute_dtype {cfg.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-    for name, kind in (("group_size", int), ("num_samples", int), ("batch_size", int)):
-        value = getattr(cfg, name)
-        if not isinstance(value, kind) or isinstance(value, bool) or value < 1:
-            raise CalibrationError(f"{name} must be a positive integer (got {value!r})")
-    if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool)
-                                    or cfg.seq_len < 2):
-        raise CalibrationError(f"seq_len must be an integer >= 2 (got {cfg.seq_len!r})")
-    for pattern in cfg.ignore:
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as e:
-            raise CalibrationError(f"ignore pattern {pattern!r} is not a regular expression ({e})") from None
-    return cfg
-
-
 def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, Any]:
     import importlib.metadata
 
+    method = cfg.method_entry
     try:
         version = importlib.metadata.version("compressed-tensors")
     except importlib.metadata.PackageNotFoundError:
@@ -163,25 +90,19 @@ def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, 
             "targets": ["Linear"], "format": "pack-quantized", "input_activations": None, "output_activations": None,
             "weights": {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric, "strategy": "group",
                         "group_size": cfg.group_size, "dynamic": False, "observer": "minmax",
-                        "actorder": "static" if cfg.method == "gptq" and cfg.actorder else None},
+                        "actorder": "static" if method.orders_columns and cfg.actorder else None},
         }},
         "ignore": ignore, "kv_cache_scheme": None, "version": version,
-        "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if cfg.method != "rtn" else None},
+        "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if method.needs_data else None},
     }
 
 
 def packed(name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: Int4Spec,
            dtype: torch.dtype, fmt: str = "compressed-tensors") -> dict[str, torch.Tensor]:
-    """The stored tensors of one quantised weight `...X.weight`, in `fmt`."""
-    base = name.removesuffix(".weight")
-    if fmt == "ascendv1":  # msModelSlim: int8 holding int4 values, float32 scale and offset (= zero point)
-        return {name: q.to(torch.int8), f"{base}.weight_scale": scale.float(),
-                f"{base}.weight_offset": zp.float()}
-    out = {f"{base}.weight_packed": pack_int4(q), f"{base}.weight_scale": scale.to(dtype),
-           f"{base}.weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
-    if not spec.symmetric:
-        out[f"{base}.weight_zero_point"] = pack_int4(zp.to(torch.int8), dim=0)
-    return out
+    """The stored tensors of one quantised weight `...X.weight`, in `fmt` (its FORMATS entry's writer)."""
+    write = FORMATS.get(fmt).write
+    assert write is not None, f"{fmt} stores no int4 weights"
+    return write(name, q, scale, zp, spec, dtype)
 
 
 def shrink_outputs(prev: torch.nn.Module, s: torch.Tensor) -> list[str]:
@@ -257,7 +178,8 @@ class Calibrator:
                  progress: Callable[..., None], log: Callable[[str], None]) -> None:
         self.ckpt, self.cfg, self.writer, self.progress, self.log = ckpt, cfg, writer, progress, log
         self.family = family_of(ckpt.arch)
-        self.spec = Int4Spec(cfg.group_size, cfg.symmetric)
+        self.spec = cfg.int4
+        self.method = cfg.method_entry
         self.reports: list[LinearReport] = []
         self.rtn_before: dict[str, float] = {}
         self.experts: dict[int, dict[str, Any]] = {}  # MoE layer → tokens per expert, RTN fallbacks
@@ -308,9 +230,9 @@ class Calibrator:
         _, scale, zp = rtn(w, self.spec, name)
         scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
         q = quantize(w, scale, zp, self.spec.group)
-        for k, v in packed(name, q, scale, zp, self.spec, dtype, self.cfg.fmt).items():
+        for k, v in packed(name, q, scale, zp, self.spec, dtype, str(self.cfg.fmt)).items():
             self.writer.add(k, v)
-        self.reports.append(LinearReport(name, "rtn", None, None, note))
+        self.reports.append(LinearReport(name, RTN.name, None, None, note))
         if note:
             self.log(f"{name}: RTN: {note}")
         return dequantize(q, scale, None if self.spec.symmetric else zp, self.spec.group)
@@ -318,9 +240,9 @@ class Calibrator:
     def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
         dtype = self.dtype(self.source(name))
-        if self.cfg.method == "awq":
+        if self.method.searches_scales:
             q, scale, zp = clip_quantize(w, h, self.spec, scale_dtype=dtype)
-            r = GPTQResult(q, scale, zp, "awq")
+            r = GPTQResult(q, scale, zp, self.method.name)
         else:
             try:
                 r = gptq(w, h, self.spec, damp=self.cfg.damp, actorder=self.cfg.actorder, scale_dtype=dtype,
@@ -337,7 +259,7 @@ class Calibrator:
         else:
             err = output_error(w, w_hat, h)
         self.reports.append(LinearReport(name, r.method, rtn_err, err, r.note))
-        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype, self.cfg.fmt).items():
+        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype, str(self.cfg.fmt)).items():
             self.writer.add(k, v)
         return w_hat
 
@@ -359,7 +281,7 @@ class Calibrator:
             if n.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < d.layers:
                 per_layer[int(parts[2])].append(n)
         self.copy([n for n in self.names if not n.startswith("model.layers.") and n not in targets])
-        if self.cfg.method == "rtn":
+        if not self.method.needs_data:
             for i in range(d.layers):
                 t0 = time.perf_counter()
                 for n in per_layer[i]:
@@ -408,7 +330,7 @@ class Calibrator:
             self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.family.names,
                                                    self.quantize_hessian, self.quantize_rtn)
         changed: list[str] = []
-        if self.cfg.method == "awq":
+        if self.method.searches_scales:
             changed = self.awq_scale(layer, index, linears, names, hess, x_abs)
         for n in names:
             w = linears[n].weight.data.T.contiguous()  # stored [in, out]; the algorithms work on [out, in]
@@ -565,14 +487,11 @@ class CalibrationResult:
 def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bool = False,
               progress: Callable[..., None] = lambda *a, **k: None,
               log: Callable[[str], None] = lambda m: None) -> CalibrationResult:
-    if cfg.scheme not in SCHEMES:
-        raise CalibrationError(f"--scheme {cfg.scheme!r} is not one of {', '.join(SCHEMES)}")
-    if cfg.method not in METHODS:
-        raise CalibrationError(f"--method {cfg.method!r} is not one of {', '.join(METHODS)}")
-    if cfg.fmt not in FORMATS:
-        raise CalibrationError(f"--format {cfg.fmt!r} is not one of {', '.join(FORMATS)}")
-    if cfg.method != "rtn" and cfg.scheme != "fp8-block":
-        check_source(cfg.dataset)  # a missing or special file is named before the model is opened
+    """Quantise `model` into `out` as `cfg` says; `cfg` is checked again first (it may have been changed
+    since it was made), exactly as the CLI checks it."""
+    cfg.check()
+    if cfg.method_entry.needs_data:
+        check_source(str(cfg.dataset))  # a missing or special file is named before the model is opened
     source = resolve_model(model)
     ckpt = Checkpoint(source)
     if ckpt.quantized or ckpt.config.get("quantization_config"):
@@ -580,17 +499,21 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
     ckpt.validate_layout()
     tokenizer_files(source)  # refused now, not after the calibration
-    if cfg.scheme == "fp8-block":
-        return calibrate_fp8(model, source, ckpt, out, cfg, force=force, progress=progress)
+    return RUNS[cfg.scheme](model, source, ckpt, out, cfg, force=force, progress=progress, log=log)
+
+
+def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, cfg: CalibrationConfig, *,
+                   force: bool, progress: Callable[..., None], log: Callable[[str], None]) -> CalibrationResult:
+    """`--scheme w4a16`: int4 groups by RTN, GPTQ or AWQ, layer by layer."""
     # Before any data or weight is read: a group that does not fit, or an OUT that is there already,
     # used to stop calibration only after the dataset was read and tokenised.
-    check_group_size(quantized_widths(ckpt, cfg), cfg.group_size)
+    check_group_size(quantized_widths(ckpt, cfg), cfg.int4.group)
     check_output(Path(out), force=force, marker=REPORT, resumable=False)
     t0 = time.perf_counter()
     data = None
-    if cfg.method != "rtn":
+    if cfg.method_entry.needs_data:
         seq_len = cfg.seq_len or min(2048, ckpt.dims.max_positions)
-        data = windows(cfg.dataset, source, num_samples=cfg.num_samples, seq_len=seq_len)
+        data = windows(str(cfg.dataset), source, num_samples=cfg.num_samples, seq_len=seq_len)
         for note in data.notes:
             log(note)
     with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
@@ -601,19 +524,20 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         config = dict(ckpt.config)
         if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False  # the head is now its own (quantised) tensor
-        if cfg.fmt == "ascendv1":
-            (stage / DESCRIPTION).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
+        marker = FORMATS.get(str(cfg.fmt)).marker
+        if marker:  # msModelSlim's: the description file, not config.json, says what is quantised
+            (stage / marker).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
         else:
             config["quantization_config"] = quantization_config(cfg, [ckpt.layout_name(m) for m in cal.ignored()])
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer_files(source, stage)
         errs = [(r.rtn_error, r.error) for r in cal.reports if r.error is not None and r.rtn_error is not None]
         report = {
-            "model": str(model), "scheme": "w4a16", "method": cfg.method, "group_size": cfg.group_size,
+            "model": str(model), "scheme": W4A16.name, "method": cfg.method, "group_size": cfg.group_size,
             "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
             "compute_dtype": str(compute_dtype(cfg, ckpt)).removeprefix("torch.") if data else None,
             "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
-            "fell_back_to_rtn": [r.name for r in cal.reports if r.method == "rtn" and cfg.method != "rtn"],
+            "fell_back_to_rtn": [r.name for r in cal.reports if r.method == RTN.name and cal.method.needs_data],
             "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
             "mean_error": float(np.mean([e[1] for e in errs])) if errs else None,
             "layers": [{"layer": i, "seconds": round(s, 3),
@@ -627,12 +551,10 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
 
 
 def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, cfg: CalibrationConfig, *,
-                  force: bool, progress: Callable[..., None]) -> CalibrationResult:
+                  force: bool, progress: Callable[..., None], log: Callable[[str], None]) -> CalibrationResult:
     """`--scheme fp8-block`: Hugging Face fine-grained FP8, 128×128 tiles, no data."""
     from qwen2om.quant.fp8_block import BLOCK, hf_quantization_config, quantize_checkpoint
 
-    if cfg.fmt != "compressed-tensors":
-        raise CalibrationError(f"--format {cfg.fmt}: fp8-block writes Hugging Face's fine-grained FP8 format only")
     t0 = time.perf_counter()
     with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
         writer = ShardWriter(stage, rename=ckpt.layout_name)
@@ -648,7 +570,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
         copy_tokenizer_files(source, stage)
         errors = [r.relative_error for r in reports]
         report = {
-            "model": str(model), "scheme": "fp8-block", "method": "rtn", "block_size": list(BLOCK),
+            "model": str(model), "scheme": FP8_BLOCK.name, "method": RTN.name, "block_size": list(BLOCK),
             "format": "e4m3fn", "dataset": None, "seconds": round(time.perf_counter() - t0, 2),
             "quantized": len(reports), "left_float": left_float,
             "mean_relative_error": float(np.mean(errors)) if errors else None,
@@ -660,3 +582,7 @@ def calibrate_fp8(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, 
         mark_written(stage, report, REPORT)
     ckpt.close()
     return CalibrationResult(Path(out), report)
+
+
+# scheme → how it calibrates (each entry in qwen2om/quant/schemes.py has one)
+RUNS: dict[str, Callable[..., CalibrationResult]] = {W4A16.name: calibrate_int4, FP8_BLOCK.name: calibrate_fp8}
