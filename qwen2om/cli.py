@@ -178,11 +178,14 @@ def next_commands(out: Path, manifest: dict[str, Any]) -> list[str]:
     qwen2om, o = qwen2om_command(), shlex.quote(str(out))
     run_py = f"{as_typed(sys.executable)} {shlex.quote(str(out / 'run.py'))}"
     commands = [f"{qwen2om} run {o} --prompt 'Hello' --greedy"]
-    if manifest["recipe"].get("target") != "ascend":
+    from qwen2om.targets import ORT, TARGETS
+
+    target = TARGETS.get(manifest["recipe"].get("target", ORT.name))
+    if not target.device_backend:
         return [*commands, f"{qwen2om} verify {o}", f"{run_py} --prompt 'Hello'"]
     compiled = any(s["pass"] == "compile_ascend" and s["stats"].get("compiled") for s in manifest["stages"])
-    return [*commands, f"{qwen2om} inspect {o} --check ascend", f"{qwen2om} verify {o}",
-            *([f"{run_py} --backend acl --prompt 'Hello'"] if compiled else [])]
+    return [*commands, f"{qwen2om} inspect {o} --check {target.name}", f"{qwen2om} verify {o}",
+            *([f"{run_py} --backend {target.device_backend} --prompt 'Hello'"] if compiled else [])]
 
 
 def as_set(value: object) -> str:
@@ -357,7 +360,9 @@ def run(
     argv += [flag for flag, on in (("--chat", chat), ("--greedy", greedy), ("--truncate", truncate),
                                    ("--ignore-eos", ignore_eos), ("--json", as_json), ("--print-prompt", print_prompt))
              if on]
-    if backend == "ort":  # an Ascend-target output runs on CPU through the reference kernels
+    from qwen2om.targets import ASCEND
+
+    if backend != ASCEND.device_backend:  # on CPU, an Ascend-target output runs through the reference kernels
         from qwen2om.kernels.ascend import cpu_runnable
 
         with cpu_runnable(out, check_hashes=check_hashes) as view:  # OUT's own files: the view's differ

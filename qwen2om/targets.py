@@ -47,6 +47,8 @@ class Target:
     choices: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # values of those fields
     # The chips its `soc_version` may name (ascend.py); a target with SoCs needs one named before it converts.
     socs: tuple[Soc, ...] = ()
+    # run.py's --backend that runs the compiled model on the device; none: run.py runs the ONNX graphs
+    device_backend: str = ""
 
     def named(self, family: str, dtype: str) -> str:
         """This target's bundled recipe for `family` in `dtype`, by name (`qwen3-fp32`)."""
@@ -69,6 +71,7 @@ ASCEND = TARGETS.add(Target(
     fields=("soc_version", "precision", "weight_storage", "compile"),
     choices={"precision": PRECISIONS, "weight_storage": WEIGHT_STORAGE, "compile": COMPILE},
     socs=SOCS,
+    device_backend="acl",
 ))
 
 
