@@ -78,7 +78,7 @@ class LowerFp8:
         weights, bindings = state.weights, state.bindings
         if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
             state.stacked_scales = {}
-        if not any(q.kind == "fp8" for q in ckpt.quantized.values()):
+        if not any(isinstance(q, Fp8Weight) for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         compute = ir.DataType.FLOAT if weights.dtype == torch.float32 else ir.DataType.FLOAT16
         self.raw = ckpt.raw

@@ -65,7 +65,7 @@ class LowerInt4:
         weights, bindings = state.weights, state.bindings
         if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
             state.stacked_scales = {}
-        if not any(q.kind == "int4" for q in ckpt.quantized.values()):
+        if not any(isinstance(q, Int4Weight) for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         dtype = weights.dtype
         onnx_dtype = ir.DataType.FLOAT if dtype == torch.float32 else ir.DataType.FLOAT16

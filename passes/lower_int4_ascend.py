@@ -59,7 +59,7 @@ def int4_form(quantized: Mapping[str, QuantWeight], soc_version: str, weight_sto
     """The form int4 linears take on `soc_version`, "wqbmm" or "w8a16" (None: the checkpoint has
     none), or the refusal. Needs only the tensor table: `convert` asks it before any work too
     (qwen2om/convert.py, preflight), since this pass runs after the export."""
-    if not any(q.kind == "int4" for q in quantized.values()):
+    if not any(isinstance(q, Int4Weight) for q in quantized.values()):
         return None
     form = "wqbmm" if soc_info(soc_version).w4a16 else "w8a16"
     if form == "w8a16" and weight_storage != "int8":

@@ -92,7 +92,7 @@ class ScaleInputs:
                 added.append(IOSpec(name, "float32", tuple(q.scale_shape), ROLE_SCALE, layer))
                 if name not in entries:
                     entries[name] = entry(q, layer)
-                    values[name] = scale_values(q, ckpt)
+                    values[name] = q.scale_values(ckpt)
             state.signatures[kind] = (inputs + added, outputs)
         stage = ctx.stage_dir
         save_file(dict(sorted(values.items())), str(stage / SCALES_FILE), metadata={"format": "pt"})
@@ -126,7 +126,7 @@ def scale_mode(setting: str, quantized: dict[str, QuantWeight]) -> str:
     if not quantized:
         return "none"
     if setting == "auto":
-        return "inputs" if any(q.kind == "fp8" for q in quantized.values()) else "constants"
+        return "inputs" if any(q.auto_scales == "inputs" for q in quantized.values()) else "constants"
     return setting
 
 
@@ -139,14 +139,4 @@ def entry(q: QuantWeight, layer: int | None) -> dict[str, Any]:
     """scale_map.json's record of one scale input."""
     e: dict[str, Any] = {"source": q.scale_name, "layer": layer, "module": q.base, "weight": q.name,
                          "shape": list(q.scale_shape), "dtype": "float32", "scheme": q.kind, "format": q.fmt}
-    if q.kind == "fp8":
-        e["block_size"] = list(q.block)
-    else:
-        e["group_size"] = q.block[1]
-    return e
-
-
-def scale_values(q: QuantWeight, ckpt: Any) -> torch.Tensor:
-    if q.kind == "fp8":
-        return q.scale(ckpt).contiguous()
-    return q.unpacked(ckpt)[1].float().contiguous()
+    return e | q.scale_grid()

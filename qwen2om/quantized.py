@@ -51,6 +51,16 @@ class Int4Weight:
     symmetric: bool
     fmt: str = "compressed-tensors"  # a FORMATS name (qwen2om.quant.formats): how the values are stored
     kind = "int4"
+    # `scales: auto`: int4 scales stay constants (ONNX Runtime fuses MatMulNBits only on constant scales)
+    auto_scales = "constants"
+
+    def scale_grid(self) -> dict[str, Any]:
+        """scale_map.json's description of the scale grid."""
+        return {"group_size": self.block[1]}
+
+    def scale_values(self, ckpt: Any) -> torch.Tensor:
+        """The values a scale input is fed: float32, in the graph's layout."""
+        return self.unpacked(ckpt)[1].float().contiguous()
 
     @property
     def layout(self) -> Format:
@@ -148,6 +158,13 @@ class Fp8Weight:
     scale_name: str
     fmt: str = "fp8"  # a FORMATS name: Hugging Face fine-grained, or compressed-tensors
     kind = "fp8"
+    auto_scales = "inputs"  # `scales: auto`: the design's per-layer scale inputs
+
+    def scale_grid(self) -> dict[str, Any]:
+        return {"block_size": list(self.block)}
+
+    def scale_values(self, ckpt: Any) -> torch.Tensor:
+        return self.scale(ckpt).contiguous()
 
     @property
     def base(self) -> str:
