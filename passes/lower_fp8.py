@@ -76,8 +76,7 @@ class LowerFp8:
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         ckpt = state.checkpoint
         weights, bindings = state.weights, state.bindings
-        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
-            state.stacked_scales = {}
+        state.start_scale_stacks()  # produced even when there is nothing to lower
         if not any(isinstance(q, Fp8Weight) for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         compute = ir.DataType.FLOAT if weights.dtype == torch.float32 else ir.DataType.FLOAT16

@@ -63,8 +63,7 @@ class LowerInt4:
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         ckpt = state.checkpoint
         weights, bindings = state.weights, state.bindings
-        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
-            state.stacked_scales = {}
+        state.start_scale_stacks()  # produced even when there is nothing to lower
         if not any(isinstance(q, Int4Weight) for q in ckpt.quantized.values()):
             return PassResult(False, {"lowered": 0})
         dtype = weights.dtype

@@ -86,8 +86,7 @@ class LowerInt4Ascend:
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         ckpt = state.checkpoint
         weights, bindings = state.weights, state.bindings
-        if state.stacked_scales is None:  # the first lowering pass starts it; the others add to it
-            state.stacked_scales = {}
+        state.start_scale_stacks()  # produced even when there is nothing to lower
         r = ctx.recipe
         form = int4_form(ckpt.quantized, r.soc_version, r.weight_storage, fp16=weights.dtype == torch.float16)
         if form is None:

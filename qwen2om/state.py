@@ -63,6 +63,12 @@ class ConvertState:
     ascend_files: list[str] | None = None
     facts: set[str] = dataclasses.field(default_factory=set)
 
+    def start_scale_stacks(self) -> dict[str, dict[str, Any]]:
+        """`stacked_scales`, started by the first lowering pass; the others add to it."""
+        if self.stacked_scales is None:
+            self.stacked_scales = {}
+        return self.stacked_scales
+
     def filled(self) -> set[str]:
         """Names of the non-empty fields and of the facts: what a plan may start from."""
         return {f.name for f in dataclasses.fields(self) if f.name != "facts" and getattr(self, f.name) is not None} \
