@@ -81,7 +81,7 @@ class FuseNorm:
                 or mean.inputs[0] is not pow_.outputs[0] or sqrt.inputs[0] is not add_eps.outputs[0]):
             return False
         out, total = mul.outputs[0], residual.outputs[0]
-        if total.is_graph_output():
+        if total.is_graph_output() or out.is_graph_output():  # a graph output keeps its producer and name
             return False
         outputs = [ir.Value(name=f"{out.name}_skipnorm", type=out.type, shape=out.shape),
                    ir.Value(name=f"{scope}/mean"), ir.Value(name=f"{scope}/inv_std_var"),
