@@ -96,7 +96,7 @@ class LowerFp8:
             if self.storage == "float8":
                 model.opset_imports[""] = max(model.opset_imports.get("", FP8_OPSET), FP8_OPSET)
                 model.ir_version = max(model.ir_version or FP8_IR, FP8_IR)
-        return PassResult(True, {"lowered": lowered, "expert_stacks": stacks, "storage": self.storage})
+        return PassResult(lowered + stacks > 0, {"lowered": lowered, "expert_stacks": stacks, "storage": self.storage})
 
     # -- MoE expert stacks -------------------------------------------------------------------------
     def lower_expert_stacks(self, state: ConvertState, graph: ir.Graph, ckpt: Any, weights: Any,

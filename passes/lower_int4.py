@@ -97,7 +97,7 @@ class LowerInt4:
         stacks = sum(lower_int4_stacks(state, model.graph, ckpt, weights, bindings, onnx_dtype)
                      for model in state.graphs.values()) if self.experts else 0
         stats = {"lowered": lowered, "accuracy_level": self.accuracy_level}
-        return PassResult(True, stats | ({"expert_stacks": stacks} if stacks else {}))
+        return PassResult(lowered + stacks > 0, stats | ({"expert_stacks": stacks} if stacks else {}))
 
 
 
