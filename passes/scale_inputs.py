@@ -47,7 +47,8 @@ class ScaleInputs:
 
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         ckpt = state.checkpoint
-        state.scale_map = {}
+        if state.scale_map is None:
+            state.scale_map = {}
         mode = scale_mode(ctx.recipe.scales, ckpt.quantized)
         if mode != "inputs":
             return PassResult(False, {"scales": mode, "scale_inputs": 0})
@@ -94,6 +95,8 @@ class ScaleInputs:
                     entries[name] = entry(q, layer)
                     values[name] = q.scale_values(ckpt)
             state.signatures[kind] = (inputs + added, outputs)
+        if not entries:  # nothing left to lift (a second run): the files written stay as they are
+            return PassResult(False, {"scales": mode, "scale_inputs": len(state.scale_map)})
         stage = ctx.stage_dir
         save_file(dict(sorted(values.items())), str(stage / SCALES_FILE), metadata={"format": "pt"})
         (stage / SCALE_MAP).write_text(json.dumps(dict(sorted(entries.items())), indent=2) + "\n")
