@@ -42,9 +42,10 @@ class FuseInt4:
     """MatMulNBits sharing an input (q/k/v, gate/up) → one MatMulNBits over the concatenated rows + Split."""
 
     name: ClassVar[str] = "fuse_int4"
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings", "int4_lowered", "scale_map")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings", "int4_lowered")
     produces: ClassVar[tuple[str, ...]] = ("int4_fused",)
     modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
+    follows: ClassVar[tuple[str, ...]] = ("scale_map",)  # scales that became inputs are left alone, so after
 
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         weights, bindings = state.weights, state.bindings

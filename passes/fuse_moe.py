@@ -58,11 +58,11 @@ class FuseMoe:
     """Routed experts (portable standard ops) → one com.microsoft::MoE per layer (ONNX Runtime)."""
 
     name: ClassVar[str] = "fuse_moe"
-    # after the lowering passes: experts they keep int4 / FP8 in the graph are fused in that form
-    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint",
-                                           "int4_lowered", "fp8_lowered")
+    requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal", "weights", "bindings", "checkpoint")
     produces: ClassVar[tuple[str, ...]] = ("moe_fused",)
     modifies: ClassVar[tuple[str, ...]] = ("graphs", "weights", "bindings")
+    # after the lowering passes where they run: experts they keep int4 / FP8 are fused in that form
+    follows: ClassVar[tuple[str, ...]] = ("int4_lowered", "fp8_lowered")
 
     def __init__(self, quantized: bool = True) -> None:
         """`quantized`: symmetric int4 experts (compressed-tensors, one group size) stay int4 in

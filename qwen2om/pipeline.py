@@ -67,6 +67,7 @@ class Pass(Protocol):
     produces: ClassVar[tuple[str, ...]]  # fields it fills and facts it establishes
     modifies: ClassVar[tuple[str, ...]]  # fields it changes in place (optional; default none)
     freezes: ClassVar[tuple[str, ...]]  # fields it takes as final (optional; default none)
+    follows: ClassVar[tuple[str, ...]]  # facts it needs established first when the plan establishes them at all
 
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult: ...
 
@@ -82,6 +83,7 @@ class PassEntry:
     doc: str
     modifies: tuple[str, ...] = ()
     freezes: tuple[str, ...] = ()
+    follows: tuple[str, ...] = ()
 
     def changes(self) -> tuple[str, ...]:
         """The fields this pass writes, by filling them or in place."""
@@ -94,11 +96,12 @@ PASSES: Registry[PassEntry] = Registry("pass")
 def register(cls: type) -> type:
     """Class decorator adding a pass to the registry under its `name`, its declaration checked."""
     owner = f"pass {cls.name!r}"
-    modifies, freezes = getattr(cls, "modifies", ()), getattr(cls, "freezes", ())
+    modifies, freezes, follows = (getattr(cls, k, ()) for k in ("modifies", "freezes", "follows"))
     check_names(owner, cls.requires)
     check_names(owner, cls.produces)
     check_names(owner, modifies, fields_only=True)
     check_names(owner, freezes, fields_only=True)
+    check_names(owner, follows)
     if not cls.produces:
         raise PlanError(f"{owner} produces nothing: a pass fills a field or establishes a fact")
     if both := sorted(set(cls.requires) & set(cls.produces)):
@@ -106,7 +109,8 @@ def register(cls: type) -> type:
     if unread := [f for f in modifies if f not in cls.requires]:
         raise PlanError(f"{owner} modifies {unread} without requiring them")
     PASSES.add(PassEntry(cls.name, cls, tuple(cls.requires), tuple(cls.produces),
-                         (cls.__doc__ or "").strip().split("\n")[0], tuple(modifies), tuple(freezes)))
+                         (cls.__doc__ or "").strip().split("\n")[0], tuple(modifies), tuple(freezes),
+                         tuple(follows)))
     return cls
 
 
@@ -122,6 +126,10 @@ def check_plan(names: Sequence[str], filled: set[str] | None = None) -> None:
             hint = f"; {' or '.join(map(repr, makers))} must run before it" if makers else ""
             raise PlanError(f"pass {name!r} needs {missing}, which no earlier pass produces "
                             f"(before it: {before}){hint}")
+        if early := [(later, f) for later in names[i + 1:] for f in PASSES.get(later).produces if f in entry.follows]:
+            later, fact = early[0]
+            raise PlanError(f"pass {name!r} must run after {later!r}: it works on what {later!r} leaves ({fact}) "
+                            f"(before it: {before})")
         if late := [f for f in entry.changes() if f in frozen]:
             raise PlanError(f"pass {name!r} changes {late}, which pass {frozen[late[0]]!r} has already taken as "
                             f"final (before it: {before}); {name!r} must run before {frozen[late[0]]!r}")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.convert import convert
+from qwen2om.errors import PlanError
 from qwen2om.fixtures.fp8 import quantize_tiles, write_fp8_checkpoint
 from qwen2om.quant import fp8
 from qwen2om.verify import verify
@@ -155,9 +156,14 @@ def test_bytes_storage_for_targets_without_fp8(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_upcast_at_conversion(tmp_path: Path) -> None:
-    """Without lower_fp8 the weights are dequantised once, at conversion: plain float MatMuls."""
+    """Without lower_fp8 the weights are dequantised once, at conversion: plain float MatMuls. The passes
+    that work on lowered scales go too: left in, scale_inputs would lift none (the plan refuses it)."""
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path, "")
+    with pytest.raises(PlanError, match=r"'scale_inputs' needs \['fp8_lowered'\]"):
+        convert("builtin:tiny-qwen3-fp8", out, recipe=str(recipe), overrides=[*SMALL, "scales=constants"])
+    kept = [line for line in recipe.read_text().splitlines() if not line.strip().startswith("- scale_inputs")]
+    recipe.write_text("\n".join(kept) + "\n")
     convert("builtin:tiny-qwen3-fp8", out, recipe=str(recipe), overrides=[*SMALL, "scales=constants"])
     model = onnx.load(out / "model.decode.onnx", load_external_data=False)
     assert not [i for i in model.graph.input if i.name.endswith(".scale")]

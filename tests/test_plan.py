@@ -51,6 +51,17 @@ def test_ascend_graphs_are_checked_after_their_last_change() -> None:
         check_plan(names)
 
 
+def test_a_pass_runs_after_the_passes_whose_work_it_takes() -> None:
+    """fuse_moe fuses the experts' final forms: after the lowering passes where they run, with or without them."""
+    names = bundled_pipelines()["ort"]
+    names.remove("fuse_moe")
+    names.insert(names.index("lower_int4"), "fuse_moe")
+    with pytest.raises(PlanError, match=r"'fuse_moe' must run after 'lower_int4': it works on what 'lower_int4' "
+                                        r"leaves \(int4_lowered\)"):
+        check_plan(names)
+    check_plan([n for n in bundled_pipelines()["ort"] if n not in ("scale_inputs", "lower_fp8")])
+
+
 def test_check_plan_accepts_a_filled_state() -> None:
     check_plan(["static_model"], filled={"checkpoint"})
     with pytest.raises(PlanError, match=r"needs \['checkpoint'\].*'load_checkpoint' must run before it"):
@@ -112,6 +123,7 @@ def test_the_design_doc_lists_every_pass_as_declared() -> None:
         cell = f"{', '.join(entry.requires)} → {', '.join(entry.produces)}".strip()
         cell += f"; changes {', '.join(entry.modifies)}" if entry.modifies else ""
         cell += f"; freezes {', '.join(entry.freezes)}" if entry.freezes else ""
+        cell += f"; after {', '.join(entry.follows)}" if entry.follows else ""
         assert rows.get(entry.name, "").strip() == cell, entry.name
 
 
