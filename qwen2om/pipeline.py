@@ -3,7 +3,8 @@ timed and reported.
 
 A pass reads and fills ConvertState fields and establishes facts (qwen2om/state.py). It declares
 what it `requires` and `produces`, the fields it changes in place (`modifies`) and those it takes as
-final (`freezes`: written out or checked, so no later pass may change them). `check_plan` proves,
+final (`freezes`: written out or checked, so no later pass may change them), and the facts it must
+come after when the plan establishes them at all (`follows`). `check_plan` proves,
 before the first pass runs, that every requirement is produced by an earlier pass and that nothing
 is changed after it was frozen, naming the passes; the runner holds each pass to its declaration.
 """
@@ -115,7 +116,8 @@ def register(cls: type) -> type:
 
 
 def check_plan(names: Sequence[str], filled: set[str] | None = None) -> None:
-    """Fail before any work if the order leaves a requirement unmet or changes a frozen field."""
+    """Fail before any work if the order leaves a requirement unmet, puts a pass before one whose work it
+    follows, or changes a frozen field."""
     have = set(filled or ())
     frozen: dict[str, str] = {}  # field → the pass that took it as final
     for i, name in enumerate(names):
