@@ -169,12 +169,13 @@ def test_legalize_is_idempotent(converted) -> None:
     import onnx_ir as ir
 
     from qwen2om.passes.legalize_ort import LegalizeOrt
-    from qwen2om.pipeline import RunContext, Workspace
+    from qwen2om.pipeline import RunContext
     from qwen2om.recipe import load_recipe
+    from qwen2om.state import ConvertState
 
     out = converted("tiny-qwen3", "fp32")
     model = ir.load(out / "model.decode.onnx")
-    ws = Workspace(graphs={"decode": model})
+    ws = ConvertState(graphs={"decode": model})
     ctx = RunContext(recipe=load_recipe("qwen3-fp32"), stage_dir=out, source=out, tool_version="x")
     LegalizeOrt()(ws, ctx)  # the saved graph already is legal but carries another producer string
     again = LegalizeOrt()(ws, ctx)
