@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from qwen2om.errors import PlanError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import onnx_ir as ir
     import torch
 
@@ -58,8 +60,8 @@ class ConvertState:
     # MoE: one [E, ...] scale per layer and projection, lowered from the experts' own scales
     stacked_scales: dict[str, dict[str, Any]] | None = None
     scale_map: dict[str, dict[str, Any]] | None = None  # scale input name → its scale_map.json entry
-    onnx_files: list[dict[str, Any]] | None = None
-    package_files: list[dict[str, Any]] | None = None
+    onnx_files: dict[str, Path] | None = None  # graph kind → its ONNX file in the staging directory
+    package_files: list[Path] | None = None  # the tokenizer, config files and run.py it copied or wrote
     ascend_files: list[str] | None = None
     facts: set[str] = dataclasses.field(default_factory=set)
 

@@ -63,7 +63,7 @@ def test_cloned_layers_compute_exactly_what_traced_layers_do(name: str, tmp_path
     assert stats_rep["decode_layers_traced"] == 2 and stats_full["decode_layers_traced"] == 4
     for kind in ("decode", "prefill"):
         assert stats_rep[f"{kind}_nodes"] == stats_full[f"{kind}_nodes"]
-        assert_same_graph(ws_rep["onnx_files"][kind], ws_full["onnx_files"][kind])
+        assert_same_graph(ws_rep.onnx_files[kind], ws_full.onnx_files[kind])
 
 
 @pytest.mark.slow
@@ -103,4 +103,4 @@ def test_hybrid_layers_clone_by_kind(tmp_path, monkeypatch) -> None:
         # layers (the exporter's CSE): the mask's reshape and the RoPE cos/sin reshapes of the
         # `rotary` module; the clone of layer 3 recomputes them: at most three nodes more, same numbers.
         assert 0 <= stats_rep[f"{kind}_nodes"] - stats_full[f"{kind}_nodes"] <= 3
-        assert_same_graph(ws_rep["onnx_files"][kind], ws_full["onnx_files"][kind])
+        assert_same_graph(ws_rep.onnx_files[kind], ws_full.onnx_files[kind])
