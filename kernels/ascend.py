@@ -45,15 +45,19 @@ from pathlib import Path
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
+from qwen2om.kernels import npu_norm
+from qwen2om.kernels.builder import Builder, Decomposition, attrs, dtype, shape
 from qwen2om.runtime.standalone import RuntimeInputError
 
 NPU_DOMAIN = "npu"
 WQBMM = "WeightQuantBatchMatmulV2"
 ANTIQUANT = "AscendAntiQuant"
 QUANT = "AscendQuant"
-ASCEND_OPS = {(NPU_DOMAIN, WQBMM), ("", ANTIQUANT), ("", QUANT)}
+# The fused ops' reference kernels (kernels/npu_*.py), each op's decomposition by its (domain, type)
+FUSED: dict[tuple[str, str], Decomposition] = {**npu_norm.DECOMPOSE}
+ASCEND_OPS = {(NPU_DOMAIN, WQBMM), ("", ANTIQUANT), ("", QUANT), *FUSED}
 DTYPE_ATTR = {0: np.float32, 1: np.float16}  # AscendAntiQuant's `dtype`: GE DT_FLOAT, DT_FLOAT16
 
 
@@ -139,50 +143,17 @@ def ascend_quant(x: np.ndarray, *, scale: float, offset: float = 0.0, sqrt_mode:
 
 
 # -- decomposition into standard ONNX ops ---------------------------------------------------------
-class _Builder:
-    """Nodes and small constants for one replaced op, named under its node's name."""
-
-    def __init__(self, graph: onnx.GraphProto, prefix: str) -> None:
-        self.graph, self.prefix, self.nodes, self.n = graph, prefix, [], 0
-
-    def const(self, value: np.ndarray) -> str:
-        name = f"{self.prefix}/c{self.n}"
-        self.n += 1
-        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def op(self, kind: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
-        out = out or f"{self.prefix}/{kind}_{self.n}"
-        self.n += 1
-        self.nodes.append(helper.make_node(kind, list(inputs), [out], name=f"{self.prefix}/{kind}_{self.n}", **attrs))
-        return out
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _shape(graph: onnx.GraphProto, name: str) -> list[int] | None:
-    for init in graph.initializer:
-        if init.name == name:
-            return list(init.dims)
-    for vi in (*graph.input, *graph.value_info):
-        if vi.name == name:
-            return [d.dim_value for d in vi.type.tensor_type.shape.dim]
-    return None
-
-
-def _wqbmm(b: _Builder, node: onnx.NodeProto, float_type: int) -> None:
-    a = _attrs(node)
+def _wqbmm(b: Builder, node: onnx.NodeProto, float_type: int) -> None:
+    a = attrs(node)
     group = int(a.get("antiquant_group_size", 0))  # type: ignore[call-overload]
     x, weight, scale, offset, *rest = [*node.input, "", "", "", "", ""][:7]
     bias = rest[2] if len(rest) > 2 else ""
-    wshape = _shape(b.graph, weight)
-    sshape = _shape(b.graph, scale)
+    wshape = shape(b.graph, weight)
+    sshape = shape(b.graph, scale)
     if wshape is None or sshape is None:
         raise ValueError(f"{node.name}: weight and antiquant_scale need static shapes")
     k, n = wshape[0], sshape[-1]
-    if _dtype(b.graph, weight) == TensorProto.INT32:  # packed int4: 8 nibbles per word along N
+    if dtype(b.graph, weight) == TensorProto.INT32:  # packed int4: 8 nibbles per word along N
         words = b.op("Cast", weight, to=TensorProto.UINT32)
         shifted = b.op("BitShift", b.op("Unsqueeze", words, b.const(np.array([2]))),
                        b.const(np.arange(0, 32, 4, dtype=np.uint32)), direction="RIGHT")
@@ -212,8 +183,8 @@ def _wqbmm(b: _Builder, node: onnx.NodeProto, float_type: int) -> None:
     b.op("Cast", y, out=node.output[0], to=float_type)
 
 
-def _antiquant(b: _Builder, node: onnx.NodeProto) -> None:
-    a = _attrs(node)
+def _antiquant(b: Builder, node: onnx.NodeProto) -> None:
+    a = attrs(node)
     scale = float(a.get("scale", 1.0))  # type: ignore[arg-type]
     if a.get("sqrt_mode"):
         scale *= scale
@@ -222,16 +193,6 @@ def _antiquant(b: _Builder, node: onnx.NodeProto) -> None:
     y = b.op("Mul", x, b.const(np.array(scale, np.float32)))
     to = TensorProto.FLOAT16 if int(a.get("dtype", 0)) == 1 else TensorProto.FLOAT  # type: ignore[call-overload]
     b.op("Cast", y, out=node.output[0], to=to)
-
-
-def _dtype(graph: onnx.GraphProto, name: str) -> int | None:
-    for init in graph.initializer:
-        if init.name == name:
-            return init.data_type
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        if vi.name == name:
-            return vi.type.tensor_type.elem_type
-    return None
 
 
 def decompose(model: onnx.ModelProto) -> int:
@@ -243,6 +204,8 @@ def decompose(model: onnx.ModelProto) -> int:
     graph = model.graph
     out_types = {n: t for n, t in ((vi.name, vi.type.tensor_type.elem_type) for vi in (*graph.output,
                                                                                         *graph.value_info))}
+    types = {**{i.name: i.data_type for i in graph.initializer},
+             **{vi.name: vi.type.tensor_type.elem_type for vi in (*graph.input, *graph.value_info, *graph.output)}}
     new_nodes: list[onnx.NodeProto] = []
     count = 0
     for node in graph.node:
@@ -250,10 +213,12 @@ def decompose(model: onnx.ModelProto) -> int:
         if key not in ASCEND_OPS:
             new_nodes.append(node)
             continue
-        b = _Builder(graph, node.name or f"ascend{count}")
+        b = Builder(graph, node.name or f"ascend{count}")
         if key[1] == WQBMM:
-            x_type = _dtype(graph, node.input[0]) or out_types.get(node.output[0]) or TensorProto.FLOAT16
+            x_type = dtype(graph, node.input[0]) or out_types.get(node.output[0]) or TensorProto.FLOAT16
             _wqbmm(b, node, out_types.get(node.output[0], x_type))
+        elif key in FUSED:
+            FUSED[key](b, node, types)
         elif key[1] == ANTIQUANT:
             _antiquant(b, node)
         else:

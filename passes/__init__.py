@@ -11,6 +11,7 @@ from qwen2om.passes import (  # noqa: F401  (imported for registration)
     fuse_int4,
     fuse_moe,
     fuse_norm,
+    fuse_norm_ascend,
     legalize_ort,
     load_checkpoint,
     lower_fp8,
