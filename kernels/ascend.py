@@ -47,7 +47,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
-from qwen2om.kernels import npu_norm
+from qwen2om.kernels import npu_attention, npu_moe, npu_norm, npu_rope
 from qwen2om.kernels.builder import Builder, Decomposition, attrs, dtype, shape
 from qwen2om.runtime.standalone import RuntimeInputError
 
@@ -56,7 +56,8 @@ WQBMM = "WeightQuantBatchMatmulV2"
 ANTIQUANT = "AscendAntiQuant"
 QUANT = "AscendQuant"
 # The fused ops' reference kernels (kernels/npu_*.py), each op's decomposition by its (domain, type)
-FUSED: dict[tuple[str, str], Decomposition] = {**npu_norm.DECOMPOSE}
+FUSED: dict[tuple[str, str], Decomposition] = {**npu_attention.DECOMPOSE, **npu_moe.DECOMPOSE,
+                                                **npu_norm.DECOMPOSE, **npu_rope.DECOMPOSE}
 ASCEND_OPS = {(NPU_DOMAIN, WQBMM), ("", ANTIQUANT), ("", QUANT), *FUSED}
 DTYPE_ATTR = {0: np.float32, 1: np.float16}  # AscendAntiQuant's `dtype`: GE DT_FLOAT, DT_FLOAT16
 

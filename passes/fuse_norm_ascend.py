@@ -20,20 +20,19 @@ Gated norms (the linear-attention layers' `norm(x) · silu(z)`) are not RMSNorm 
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
 from qwen2om.ascend import Soc, soc_info
+from qwen2om.families import QWEN_NAMES
 from qwen2om.graph_rewrite import boundary
 from qwen2om.kernels.npu_norm import EPSILON
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 
-SCOPE = re.compile(r"^(/model/layers\.\d+/(?:input_layernorm|post_attention_layernorm|self_attn/[qk]_norm)"
-                   r"|/model/norm)/")
+SCOPE = QWEN_NAMES.rms_norm_scope_re()
 CORE = ["Pow", "ReduceMean", "Add", "Sqrt", "Div"]
 FLOATS = (ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.BFLOAT16)
 
@@ -171,7 +170,9 @@ class FuseNormAscend:
         if why:
             log(f"RMSNorm left in standard ops: {why}")  # type: ignore[operator]
             return 0
-        before = norm.nodes[0]
+        # before y's producer, not the region's first node: a zero-centred norm computes its `1 + w`
+        # (the kernel's gamma) inside the region, after x's first use
+        before = norm.y.producer() or norm.nodes[-1]
         gamma = norm.gamma(graph, before, scope, soc)
         residual = residual_add(norm.x) if self.add else None
         if residual is not None and gamma.dtype != norm.x.dtype:

@@ -102,6 +102,8 @@ class LowerTopkAscend:
     requires: ClassVar[tuple[str, ...]] = ("graphs", "graphs_legal")
     produces: ClassVar[tuple[str, ...]] = ("topk_lowered",)
     modifies: ClassVar[tuple[str, ...]] = ("graphs",)
+    # after fuse_moe_ascend where it runs: the layers it fused have no TopK left, the others are lowered here
+    follows: ClassVar[tuple[str, ...]] = ("moe_fused",)
 
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         lowered = 0

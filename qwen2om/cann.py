@@ -511,3 +511,20 @@ def wqbmm_kernels(node: ir.Node, ctx: Context) -> Iterator[Finding]:
     elif "conditions" in kernels:
         yield (node.op_type, f"conditions_{ctx.soc.kernels.removeprefix('ascend')}",
                f"{ctx.soc.family}'s kernel needs {kernels['conditions']}")
+
+
+def npu_kernel(node: ir.Node, ctx: Context) -> Iterator[Finding]:
+    """A fused npu op on a SoC whose op-info config has no kernel for it, or not for its dtypes."""
+    from qwen2om.npu_kernels import missing_kernel  # it reads this module's table
+
+    if ctx.soc is None:
+        return
+    names = ctx.params.get("inputs", [])
+    dtypes = {name: v.dtype for name, v in zip(names, node.inputs, strict=False) if v is not None}
+    if why := missing_kernel(node.op_type, ctx.soc, dtypes, ctx.table):
+        yield (node.op_type, "kernels", why.rsplit(" [", 1)[0])
+
+
+for _op in ("NPURmsNorm", "NPUAddRmsNorm", "NPURotaryPositionEmbedding", "NPUIncreFlashAttention",
+            "NPUPromptFlashAttention", "NPUMoeGatingTopKSoftmax"):
+    rule(_op, f"npu::{_op}", _op)(npu_kernel)

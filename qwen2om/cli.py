@@ -594,6 +594,10 @@ def inspect(
         out_console.print(f"[bold]{shown(kind)}[/] ({shown(path if g.file is None else g.file)}): {g.nodes} nodes, "
                           f"opset {g.opset}, IR {g.ir_version}; top ops: "
                           + ", ".join(f"{shown(op)} {n}" for op, n in list(g.ops.items())[:8]))
+        # Kernel ops of other domains (ONNX Runtime's com.microsoft, the NPU's npu) are what a target's
+        # fusion passes bought: listed whether or not they are among the most frequent
+        if kernels := [f"{shown(op)} {n}" for op, n in g.ops.items() if "::" in op]:
+            out_console.print(f"  kernel ops: {', '.join(kernels)}")
         weights = ", ".join(f"{dt} {v.count} ({fmt_bytes(v.bytes)})" for dt, v in g.initializers.items())
         out_console.print(f"  initializers: {weights}")
         if g.external_data:

@@ -125,6 +125,12 @@ class TensorNames:
         """Nodes inside a decoder layer's two RMSNorms or the final one; group 1 is the norm's scope."""
         return re.compile(r"^(/model/layers\.\d+/(input|post_attention)_layernorm|/model/norm)/")
 
+    def rms_norm_scope_re(self) -> re.Pattern[str]:
+        """Nodes inside any RMSNorm of the standard form: a layer's two, full attention's q/k norms, the
+        final one (not the linear-attention layers' gated norm); group 1 is the norm's scope."""
+        return re.compile(r"^(/model/layers\.\d+/(?:input_layernorm|post_attention_layernorm|self_attn/[qk]_norm)"
+                          r"|/model/norm)/")
+
 
 # Every family registered today keeps the Hugging Face Qwen layout. Graph passes that match node scopes
 # (they have no checkpoint at hand) use this directly.

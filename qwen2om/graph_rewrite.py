@@ -186,3 +186,42 @@ def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value
         node.replace_input_with(list(node.inputs).index(init), full)
     if not init.uses():
         graph.initializers.pop(init.name)
+
+
+# -- attention regions ---------------------------------------------------------------------------
+def derived_from(v: ir.Value, source: ir.Value) -> bool:
+    """`v` is `source` (the mask, the positions), or computed from it and constants only (an Unsqueeze, a Cast)."""
+    if v is source:
+        return True
+    node = v.producer()
+    if node is None:
+        return False
+    operands = [i for i in node.inputs if not is_constant(i)]
+    return bool(operands) and all(derived_from(i, source) for i in operands)
+
+
+def attention_roles(graph: ir.Graph, nodes: list[ir.Node], mask: ir.Value) -> dict[str, ir.Value] | str:
+    """q, k, v, past_k, past_v of a region, told apart by how the region reads them: K operands
+    are transposed before their MatMul, V operands are a MatMul's second input, the cache is a
+    graph input; or why the region is not the expected shape. The mask may arrive through a
+    node of another layer's region (the exporter shares identical mask reshapes), and the
+    region may likewise hand its mask reshape to later layers: those values are not operands."""
+    inputs, outputs = boundary(graph, nodes)
+    operands = [v for v in inputs if not derived_from(v, mask)]
+    results = [v for v in outputs if not derived_from(v, mask)]
+    # Mask-derived inputs: the mask (or its shared reshape), and with a symbolic T its shape values too.
+    if len(operands) != 5 or len(results) != 1 or len(inputs) == len(operands):
+        return (f"expected q, k, v, past K/V and the mask in, 1 output, found {len(operands)} operands, "
+                f"{len(inputs) - len(operands)} mask-derived inputs and {len(results)} outputs")
+    members = set(nodes)
+    roles: dict[str, ir.Value] = {"out": results[0]}
+    for v in operands:
+        uses = [(u, i) for u, i in v.uses() if u in members]
+        keyish = any(u.op_type == "Transpose" for u, _ in uses)
+        valueish = any(u.op_type == "MatMul" and i == 1 for u, i in uses)
+        cache = v.is_graph_input()
+        role = ("past_k" if cache else "k") if keyish else ("past_v" if cache else "v") if valueish else "q"
+        if role in roles:
+            return f"two inputs look like {role}"
+        roles[role] = v
+    return roles

@@ -35,9 +35,13 @@ FACTS: dict[str, str] = {
     "int4_lowered": "int4 weights are in their final graph form (their scales are initializers of the graph)",
     "fp8_lowered": "FP8 weights are in their final graph form (their block scales are initializers of the graph)",
     "topk_lowered": "MoE routing's TopK is in a form ATC takes",
-    "moe_fused": "routed experts are ONNX Runtime MoE nodes where the pattern matched",
-    "attention_fused": "attention is ONNX Runtime GroupQueryAttention where the pattern matched",
-    "norms_fused": "residual Add + RMSNorm are ONNX Runtime SkipSimplifiedLayerNormalization where matched",
+    "moe_fused": "MoE routing / routed experts are the target's fused kernels (ONNX Runtime MoE; the NPU's "
+                 "MoeGatingTopKSoftmax) where the pattern matched",
+    "attention_fused": "attention is the target's fused kernel (ONNX Runtime GroupQueryAttention; the NPU's "
+                       "PromptFlashAttention) where the pattern matched",
+    "rope_fused": "RoPE is the target's rotary kernel where the pattern matched",
+    "norms_fused": "residual Add + RMSNorm are the target's fused norm (ONNX Runtime SkipSimplifiedLayerNormalization; "
+                   "the NPU's AddRmsNorm / RmsNorm) where matched",
     "int4_fused": "int4 MatMuls sharing an input are one MatMulNBits",
     "ascend_checked": "graphs pass the ATC legality checker",
     "outputs_checked": "the written graphs load in ONNX Runtime and match their signatures",

@@ -201,14 +201,15 @@ def test_gears_prefill_reads_its_dims_with_shape_and_gather(converted, target: s
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-next"])
 def test_routing_without_topk_verifies(converted, name: str) -> None:
     """MoE and Qwen3-Next routing as ArgMax rounds: no TopK, the checker clean, and every greedy token
-    equal to transformers' through the reference kernels (fp16 tolerance, as for the other Ascend graphs)."""
+    equal to transformers' through the reference kernels (fp16 tolerance, as for the other Ascend graphs).
+    On 310B, which has no MoeGatingTopKSoftmax kernel (910B's fused routing: tests/test_npu_moe.py)."""
     from qwen2om.verify import verify
 
-    out = converted(name, "fp16", *ASCEND)
+    out = converted(name, "fp16", "target=ascend", "soc_version=Ascend310B1")
     assert defects(out) == {"model.decode.onnx": [], "model.prefill.onnx": []}
     ops = {n.op_type for n in ops_of(out / "model.decode.onnx")}
     assert "ArgMax" in ops and "TopK" not in ops
-    assert check_graphs(out, "ascend", "Ascend910B3") == {"decode": [], "prefill": []}
+    assert check_graphs(out, "ascend", "Ascend310B1") == {"decode": [], "prefill": []}
     report = verify(out, f"builtin:{name}", tokens=16)
     assert report.passed and report.agreement == 1.0 and report.max_abs < 2e-2
 

@@ -4,19 +4,22 @@ The matrix: each built-in architecture (dense Qwen2 with q/k/v biases, Qwen3, Qw
 with its shared expert, Qwen3.5 as published, Qwen3.5-MoE, Qwen3-Next) × fp16 / W4A16 / FP8 ×
 Ascend910B3 / Ascend310P3 / Ascend310B1, with and without prefill gears, plus batch 2.
 
-One conversion serves every SoC its graphs are the same for: only the int4 lowering reads the SoC
-(WeightQuantBatchMatmulV2 where `Soc.w4a16`, int8 + Cast/Mul elsewhere, with `weight_storage=int8`),
-which `test_graphs_depend_on_the_soc_only_through_int4` checks. Each conversion is then checked
-for every SoC of its group with `check_graphs` (what `inspect --check ascend` runs, so a stricter
-checker applies here as it lands) and verified once through the reference kernels on CPU: verify's
-fp16 criterion, every greedy token equal.
+The graphs depend on the SoC: the fusion passes (fuse_*_ascend) emit the NPU's fused ops where the
+SoC's op-info configs have kernels (910B: norms, RoPE, MoE routing, prefill attention; 310P: the norms;
+310B: none), and the int4 lowering picks WeightQuantBatchMatmulV2 or int8 + Cast/Mul. So each
+conversion is for one SoC, checked with `check_graphs` for it (what `inspect --check ascend` runs, so
+a stricter checker applies here as it lands) and verified once through the reference kernels on CPU:
+verify's fp16 criterion, every greedy token equal. Every architecture and scheme runs on 910B3 (the
+fused graphs) and 310B1 (the portable ones); 310P3 in fp16 for every architecture and W4A16 for two;
+gears and batch 2 on 910B3, batch 2 on 310B1 too. `test_the_soc_decides_the_fused_ops` checks that
+the 310B1 graphs are the portable form: the fused passes change nothing there.
 
 Refused by design, each checked here before any work: prefill gears for the Qwen3.5 / Qwen3-Next
 hybrids; int4 on a SoC without an int4 matmul unless `weight_storage=int8` is given; int4 with fp32
 activations. (A W4A16 checkpoint whose group is not a multiple of 32 is refused by the checker on
 WeightQuantBatchMatmulV2 SoCs; the weights of width 48 in the shared experts are left float here.)
 
-All slow: about forty conversions, shared through module-scoped caches (and conftest's `converted`
+All slow: about sixty-five conversions, shared through module-scoped caches (and conftest's `converted`
 with tests/test_gears.py and tests/test_ascend_defects.py), each verified on two short prompts.
 """
 
@@ -50,14 +53,6 @@ PROMPTS = ["The tiny model", "A prompt long enough for two chunks of the prefill
                              "tokens at most per call, and then some."]
 
 
-def soc_groups(scheme: str) -> list[tuple[str, ...]]:
-    """The SoCs whose graphs are the same for `scheme`: all of them, or for int4, by lowering."""
-    if scheme != "w4a16":
-        return [SOCS]
-    return [g for g in (tuple(s for s in SOCS if soc_info(s).w4a16), tuple(s for s in SOCS if not soc_info(s).w4a16))
-            if g]
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One conversion and the SoCs it is checked for."""
@@ -79,15 +74,19 @@ class Case:
 
 
 def cases() -> Iterator[Case]:
+    fused, portable, duo = ("Ascend910B3",), ("Ascend310B1",), ("Ascend310P3",)
     for arch in ARCHS:
         for scheme in ("fp16", "w4a16", "fp8"):
-            for socs in soc_groups(scheme):
-                yield Case(arch, scheme, socs)
-                # gears: every non-hybrid in fp16, and the quantised forms on one dense and one MoE model
-                if arch not in HYBRIDS and (scheme == "fp16" or arch in ("tiny-qwen3", "tiny-qwen3-moe")):
-                    yield Case(arch, scheme, socs, (GEARS,))
+            yield Case(arch, scheme, fused)
+            yield Case(arch, scheme, portable)
+            if scheme == "fp16" or (scheme == "w4a16" and arch in ("tiny-qwen3", "tiny-qwen3-moe")):
+                yield Case(arch, scheme, duo)
+            # gears: every non-hybrid in fp16, and the quantised forms on one dense and one MoE model
+            if arch not in HYBRIDS and (scheme == "fp16" or arch in ("tiny-qwen3", "tiny-qwen3-moe")):
+                yield Case(arch, scheme, fused, (GEARS,))
     for arch in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next"):
-        yield Case(arch, "fp16", SOCS, ("batch_size=2",))
+        for socs in (fused, portable):
+            yield Case(arch, "fp16", socs, ("batch_size=2",))
 
 
 CASES = list(cases())
@@ -170,12 +169,34 @@ def graphs(out: Path) -> dict[str, bytes]:
             for f in sorted(out.glob("model.*.onnx"))}
 
 
-def test_graphs_depend_on_the_soc_only_through_int4(output, converted) -> None:
-    """Why one conversion is checked for all three SoCs: an fp16 MoE model's graphs are the same bytes
-    for 910B3 and 310B1 (only lower_int4_ascend reads the SoC, for int4 checkpoints)."""
-    case = Case("tiny-qwen3-moe", "fp16", SOCS)
-    other = converted("tiny-qwen3-moe", "fp16", "target=ascend", "soc_version=Ascend310B1")
-    assert graphs(output(case)) == graphs(other)
+NPU_OPS = {"NPURmsNorm", "NPUAddRmsNorm", "NPURotaryPositionEmbedding", "NPUMoeGatingTopKSoftmax",
+           "NPUPromptFlashAttention"}
+
+
+def npu_ops(out: Path) -> dict[str, set[str]]:
+    return {f.name: {n.op_type for n in onnx.load(f, load_external_data=False).graph.node if n.domain == "npu"}
+            for f in sorted(out.glob("model.*.onnx"))}
+
+
+def test_the_soc_decides_the_fused_ops(output, converted, tmp_path: Path) -> None:
+    """An fp16 MoE model: 910B3 gets every fused op (prefill attention included), 310P3 the norms only,
+    310B1 none, and its graphs are the same bytes as a conversion whose recipe has no fusion pass."""
+    b3 = npu_ops(output(Case("tiny-qwen3-moe", "fp16", ("Ascend910B3",))))
+    assert b3["model.prefill.onnx"] == NPU_OPS, b3
+    assert b3["model.decode.onnx"] == NPU_OPS - {"NPUPromptFlashAttention"}, b3  # decode attention: portable
+    p3 = npu_ops(output(Case("tiny-qwen3-moe", "fp16", ("Ascend310P3",))))
+    assert p3 == {"model.decode.onnx": {"NPURmsNorm", "NPUAddRmsNorm"},
+                  "model.prefill.onnx": {"NPURmsNorm", "NPUAddRmsNorm"}}, p3
+    b1 = output(Case("tiny-qwen3-moe", "fp16", ("Ascend310B1",)))
+    assert npu_ops(b1) == {"model.decode.onnx": set(), "model.prefill.onnx": set()}
+    recipe = (Path(__file__).parent.parent / "recipes" / "ascend.yaml").read_text(encoding="utf-8")
+    unfused = tmp_path / "unfused.yaml"
+    unfused.write_text("\n".join(line for line in recipe.splitlines() if "fuse_" not in line) + "\n",
+                       encoding="utf-8")
+    out = tmp_path / "unfused"
+    convert("builtin:tiny-qwen3-moe", out, recipe=str(unfused),
+            overrides=[*SMALL, "dtype=fp16", "target=ascend", "soc_version=Ascend310B1"])
+    assert graphs(out) == graphs(b1)
 
 
 def test_refused_by_design(source, tmp_path: Path) -> None:
