@@ -20,10 +20,11 @@ Why the new tokens are concatenated: the kernel reads one K/V tensor that must a
 and the graph may not write into its cache input (the signature returns new K/V only; CANN has no
 ONNX parser for an in-place cache update: ScatterND becomes TensorMove + ScatterNdUpdate, a copy).
 So the fused form copies each layer's cache once per call (2·P·Nkv·D elements). A prefill chunk
-gains far more than that (no [T, P + T] scores, compute ∝ L + T). A decode step does not: the
-portable form reads the cache once and its score row is small, the copy reads it again. Decode
-attention therefore stays portable unless the recipe asks (`fuse_attention_ascend: {decode: true}`);
-docs/ascend.md has the bytes of both (bench/ascend_bytes.py).
+gains far more than that (no [T, P + T] scores, compute ∝ L + T: −45 % to −80 % of the bytes a
+Qwen3-8B chunk reads). A decode step does not: each form touches the whole cache once per step (the
+portable one in its K Transpose and MatMuls, the fused one in the copy), −7 % to +7 % of the bytes
+read on paper. Decode attention therefore stays portable unless the recipe asks
+(`fuse_attention_ascend: {decode: true}`); docs/ascend.md has the table (bench/ascend_bytes.py).
 
 Why not NPUIncreFlashAttention for decode: its ONNX plugin never forwards num_key_value_heads (the
 op's default, 1, then applies) and wires its key/value inputs from index 1, so grouped-query models
@@ -140,9 +141,9 @@ class FuseAttentionAscend:
         if not isinstance(p, int):
             return 0, len(found)
         if t == 1 and not self.decode:
-            ctx.log(f"{kind} graph: attention left in standard ops: fused, a decode step would copy each layer's "
-                    "cache (the kernel reads one K/V tensor holding the new token) and read more bytes than the "
-                    "portable form (docs/ascend.md); `fuse_attention_ascend: {decode: true}` fuses it anyway")
+            ctx.log(f"{kind} graph: attention left in standard ops: fused, a decode step would first copy each "
+                    "layer's cache (the kernel reads one K/V tensor holding the new token), which on paper costs "
+                    "what the kernel saves (docs/ascend.md); `fuse_attention_ascend: {decode: true}` fuses it anyway")
             return 0, len(found)
         why = missing_kernel(PFA, soc, {"query": mask.dtype, "atten_mask": ir.DataType.BOOL})  # type: ignore[arg-type]
         if why:
