@@ -379,7 +379,7 @@ class _Graph:
         try:
             self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         except Exception as e:
-            if "WeightQuantBatchMatmulV2" in str(e) or "AscendAntiQuant" in str(e):  # a --target ascend output
+            if any(op in str(e) for op in ("npu:", "WeightQuantBatchMatmulV2", "AscendAntiQuant")):  # --target ascend
                 raise RuntimeInputError(
                     f"{path.name} holds Ascend ops (converted with --target ascend), which ONNX Runtime cannot run "
                     "by itself: use `qwen2om run DIR` (it runs them on CPU through qwen2om's reference kernels), "
