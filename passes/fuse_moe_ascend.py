@@ -35,7 +35,7 @@ import onnx_ir as ir
 from qwen2om.ascend import Soc, soc_info
 from qwen2om.cann import load_table
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import regions
+from qwen2om.graph_rewrite import log_once, regions
 from qwen2om.kernels.npu_moe import GATING, MAX_K
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
@@ -119,17 +119,12 @@ class FuseMoeAscend:
         rule = load_table().constraints.get(GATING, {})
         max_k = int(rule.get("params", {}).get("max_k", MAX_K))
         stats: dict[str, int | float | str] = {}
-        logged: set[str] = set()
-
-        def log_once(message: str) -> None:
-            if message not in logged:
-                logged.add(message)
-                ctx.log(message)
+        log = log_once(ctx.log)
 
         for kind, model in state.graphs.items():
             fused = kept = 0
             for layer, nodes in regions(model.graph, scope=SCOPE).items():
-                done = self.fuse(model.graph, f"{kind} graph, layer {layer}", nodes, soc, max_k, log_once)
+                done = self.fuse(model.graph, f"{kind} graph, layer {layer}", nodes, soc, max_k, log)
                 fused += done is True
                 kept += done is False
             if fused:

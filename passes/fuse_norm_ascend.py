@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from qwen2om.ascend import Soc, soc_info
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import boundary
+from qwen2om.graph_rewrite import boundary, log_once
 from qwen2om.kernels.npu_norm import EPSILON
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
@@ -138,17 +138,12 @@ class FuseNormAscend:
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         soc = soc_info(ctx.recipe.soc_version)
         stats: dict[str, int | float | str] = {}
-        logged: set[str] = set()
-
-        def log_once(message: str) -> None:
-            if message not in logged:
-                logged.add(message)
-                ctx.log(message)
+        log = log_once(ctx.log)
 
         for kind, model in state.graphs.items():
             fused = with_add = kept = 0
             for scope, nodes in norm_regions(model.graph).items():
-                done = self.fuse(model.graph, scope, Norm(model.graph, nodes), soc, log_once)
+                done = self.fuse(model.graph, scope, Norm(model.graph, nodes), soc, log)
                 fused += done > 0
                 with_add += done > 1
                 kept += done == 0

@@ -30,7 +30,7 @@ import onnx_ir as ir
 from qwen2om.ascend import Soc, soc_info
 from qwen2om.cann import load_table
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import derived_from, is_constant, regions
+from qwen2om.graph_rewrite import derived_from, is_constant, log_once, regions
 from qwen2om.kernels.npu_rope import HALF, ROPE
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
@@ -127,12 +127,7 @@ class FuseRopeAscend:
         soc = soc_info(ctx.recipe.soc_version)
         limit = load_table().constraints.get(ROPE, {}).get("params", {}).get("max_head_dim", {}).get(soc.kernels)
         stats: dict[str, int | float | str] = {}
-        logged: set[str] = set()
-
-        def log_once(message: str) -> None:
-            if message not in logged:
-                logged.add(message)
-                ctx.log(message)
+        log = log_once(ctx.log)
 
         for kind, model in state.graphs.items():
             fused = kept = 0
@@ -142,11 +137,11 @@ class FuseRopeAscend:
                 if found is None:
                     continue
                 if isinstance(found, str):
-                    log_once(f"{kind} graph, layer {layer}: RoPE left in standard ops: {found}")
+                    log(f"{kind} graph, layer {layer}: RoPE left in standard ops: {found}")
                     kept += 1
                     continue
                 if why := next(filter(None, (self.unsupported(r, soc, limit) for r in found)), None):
-                    log_once(f"RoPE left in standard ops: {why}")  # the same for every layer: once
+                    log(f"RoPE left in standard ops: {why}")  # the same for every layer: once
                     kept += 1
                     continue
                 self.fuse(model.graph, layer, region, found)

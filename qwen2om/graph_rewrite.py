@@ -188,6 +188,19 @@ def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value
         graph.initializers.pop(init.name)
 
 
+def log_once(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` that says each message once: a reason that holds for every layer (no kernel on this SoC)
+    is logged once per pass, not once per layer and graph."""
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            log(message)
+
+    return once
+
+
 # -- attention regions ---------------------------------------------------------------------------
 def derived_from(v: ir.Value, source: ir.Value) -> bool:
     """`v` is `source` (the mask, the positions), or computed from it and constants only (an Unsqueeze, a Cast)."""
