@@ -134,6 +134,24 @@ def test_wqbmm_group_not_below_k() -> None:
     assert one(found(wqbmm(64, k=64), "Ascend910B3"), "WeightQuantBatchMatmulV2 antiquant_group_size=64")
 
 
+def rms_norm(x_type: int = F16, gamma_type: int = F16) -> onnx.ModelProto:
+    node = helper.make_node("NPURmsNorm", ["x", "g"], ["y", "rstd"], name="/model/norm/NPURmsNorm", domain="npu")
+    return onnx_model([node], [vi("x", x_type, [1, 2, 64])], [vi("y", x_type, [1, 2, 64])],
+                      [numpy_helper.from_array(np.ones(64, onnx.helper.tensor_dtype_to_np_dtype(gamma_type)), "g")],
+                      {"": 18, "npu": 1})
+
+
+def test_a_fused_op_needs_the_socs_kernel() -> None:
+    """The SoC's op-info config decides (the table's params.kernels, cited): 910B and 310P have an
+    RmsNorm kernel, 310B none; 310P's takes gamma in x's dtype only, 910B's a float32 gamma too."""
+    assert not found(rms_norm(), "Ascend910B3") and not found(rms_norm(), "Ascend310P3")
+    p = one(found(rms_norm(), "Ascend310B1"), "NPURmsNorm")
+    assert "(310B) has no NPURmsNorm kernel" in p.reason and LINE.match(p.source) and "rms_norm_def.cpp@" in p.source
+    assert not found(rms_norm(gamma_type=TensorProto.FLOAT), "Ascend910B3")
+    p = one(found(rms_norm(gamma_type=TensorProto.FLOAT), "Ascend310P3"), "NPURmsNorm")
+    assert "no dtype combination x FLOAT16, gamma FLOAT" in p.reason
+
+
 def test_npu_prefixed_name_in_the_npu_domain_is_unregistered() -> None:
     """The npu domain registers WeightQuantBatchMatmulV2; the NPU-prefixed name lives in ai.onnx only."""
     p = one(found(wqbmm(op="NPUWeightQuantBatchMatmulV2", domain="npu"), "Ascend910B3"),
