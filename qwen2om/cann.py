@@ -525,6 +525,8 @@ def npu_kernel(node: ir.Node, ctx: Context) -> Iterator[Finding]:
         yield (node.op_type, "kernels", why.rsplit(" [", 1)[0])
 
 
-for _op in ("NPURmsNorm", "NPUAddRmsNorm", "NPURotaryPositionEmbedding", "NPUIncreFlashAttention",
-            "NPUPromptFlashAttention", "NPUMoeGatingTopKSoftmax"):
+# The fused ops qwen2om emits (or, IncreFlashAttention, refuses to): each checked against the SoC's kernels
+FUSED_NPU_OPS = ("NPURmsNorm", "NPUAddRmsNorm", "NPURotaryPositionEmbedding", "NPUIncreFlashAttention",
+                 "NPUPromptFlashAttention", "NPUMoeGatingTopKSoftmax")
+for _op in FUSED_NPU_OPS:
     rule(_op, f"npu::{_op}", _op)(npu_kernel)

@@ -19,8 +19,6 @@ from qwen2om.ascend import Soc
 from qwen2om.cann import CannTable, load_table
 
 NPU_DOMAIN = "npu"
-FUSED_OPS = ("NPURmsNorm", "NPUAddRmsNorm", "NPURotaryMul", "NPURotaryPositionEmbedding",
-             "NPUIncreFlashAttention", "NPUPromptFlashAttention", "NPUMoeGatingTopKSoftmax")
 
 
 def missing_kernel(op: str, soc: Soc, dtypes: Mapping[str, ir.DataType | None],
@@ -31,6 +29,8 @@ def missing_kernel(op: str, soc: Soc, dtypes: Mapping[str, ir.DataType | None],
     rule = table.constraints.get(op)
     if rule is None:
         return f"the table has no op-info kernels for {op} ({table.path})"
+    if refused := rule.get("params", {}).get("refused"):  # a kernel exists, but not one this graph can reach
+        return f"{op} is not usable from ONNX: {refused} [{table.source(rule, 'plugin')}]"
     kernels = rule.get("params", {}).get("kernels", {})
     source = table.source(rule, "kernels")
     have = kernels.get(soc.kernels)
@@ -45,9 +45,3 @@ def missing_kernel(op: str, soc: Soc, dtypes: Mapping[str, ir.DataType | None],
         return (f"{soc.family}'s {op} kernel has no dtype combination {shown} (it takes: {takes})"
                 + (f" [{source}]" if source else ""))
     return None
-
-
-def kernel_table(table: CannTable | None = None) -> dict[str, dict[str, list[dict[str, str]]]]:
-    """{op: {SoC config: [{input: dtype}, ...]}} for the fused ops (docs and `inspect`)."""
-    table = table or load_table()
-    return {op: dict(table.constraints.get(op, {}).get("params", {}).get("kernels", {})) for op in FUSED_OPS}

@@ -152,6 +152,17 @@ def test_a_fused_op_needs_the_socs_kernel() -> None:
     assert "no dtype combination x FLOAT16, gamma FLOAT" in p.reason
 
 
+def test_incre_flash_attention_is_refused_with_why() -> None:
+    """Its kernels exist on 910B, but its ONNX plugin cannot carry grouped K/V heads: refused, cited."""
+    node = helper.make_node("NPUIncreFlashAttention", ["q", "k", "v", "", "m", "l"], ["y"], name="/m/IFA",
+                            domain="npu", num_heads=4, input_layout="BNSD")
+    m = onnx_model([node], [vi("q", F16, [1, 4, 1, 8]), vi("k", F16, [1, 2, 16, 8]), vi("v", F16, [1, 2, 16, 8]),
+                            vi("m", TensorProto.BOOL, [1, 1, 1, 16]), vi("l", TensorProto.INT64, [1])],
+                   [vi("y", F16, [1, 4, 1, 8])], opsets={"": 18, "npu": 1})
+    p = one(found(m, "Ascend910B3"), "NPUIncreFlashAttention")
+    assert "never forwards num_key_value_heads" in p.reason and LINE.match(p.source)
+
+
 def test_npu_prefixed_name_in_the_npu_domain_is_unregistered() -> None:
     """The npu domain registers WeightQuantBatchMatmulV2; the NPU-prefixed name lives in ai.onnx only."""
     p = one(found(wqbmm(op="NPUWeightQuantBatchMatmulV2", domain="npu"), "Ascend910B3"),
