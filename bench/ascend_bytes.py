@@ -46,7 +46,6 @@ import os
 import platform
 import re
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -62,15 +61,7 @@ import yaml
 import qwen2om.passes  # noqa: F401  (registers the passes)
 from qwen2om.checkpoint import INDEX_FILE, Checkpoint, ModelConfig
 from qwen2om.convert import choose_recipe, preflight, read_config
-from qwen2om.fixtures.synthetic import (
-    TensorSpec,
-    plan_shards,
-    resolve_preset,
-    shard_name,
-    tensor_specs,
-    tokenizer_model_type,
-)
-from qwen2om.fixtures.tokenizer import write_tokenizer_for
+from qwen2om.fixtures.synthetic import write_synthetic_checkpoint
 from qwen2om.kernels.npu_attention import PFA
 from qwen2om.npu_kernels import NPU_DOMAIN
 from qwen2om.pipeline import PASSES, RunContext, StepReport, run_pipeline
@@ -261,47 +252,12 @@ def count_graph(model: ir.Model, layers: int, fills: dict[str, int]) -> dict[str
 
 
 # -- the header-only checkpoint ----------------------------------------------------------------------
-def write_header_only_shard(path: Path, specs: Sequence[TensorSpec]) -> None:
-    """A safetensors file whose header is the real one and whose data area is a hole of the right size."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        header[spec.name] = {"dtype": "BF16", "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8-byte alignment
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        f.truncate(8 + len(raw) + offset)  # extends with a hole: no data block is allocated
-
-
 def header_only_checkpoint(workdir: Path, preset: str) -> Path:
     """The preset's checkpoint (all layers) with headers and config files but no tensor data, cached."""
     dest = workdir / f"ckpt-{preset}-headers"
-    if (dest / INDEX_FILE).is_file():
+    if (dest / INDEX_FILE).is_file():  # written last: present means complete
         return dest
-    p = resolve_preset(preset)
-    specs = tensor_specs(p)
-    workdir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=workdir, prefix=f".{dest.name}.") as tmp:
-        stage = Path(tmp) / "ckpt"
-        stage.mkdir()
-        p.write_configs(stage)
-        shards = plan_shards(specs)
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards):
-            name = shard_name(i, len(shards))
-            write_header_only_shard(stage / name, shard)
-            weight_map |= dict.fromkeys((s.name for s in shard), name)
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (stage / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        write_tokenizer_for(tokenizer_model_type(p), stage)
-        if dest.exists():  # an incomplete copy from an older run: the index is written last
-            shutil.rmtree(dest)
-        stage.rename(dest)  # whole or absent
-    return dest
+    return write_synthetic_checkpoint(preset, dest, header_only=True)
 
 
 # -- recipes -------------------------------------------------------------------------------------------
