@@ -37,7 +37,17 @@ import numpy as np
 import onnx_ir as ir
 
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import MS_DOMAIN, attention_roles, boundary, const, derived_from, is_constant, regions
+from qwen2om.graph_rewrite import (
+    MS_DOMAIN,
+    attention_roles,
+    boundary,
+    const,
+    derived_from,
+    is_constant,
+    regions,
+    remove_unread,
+    sweep,
+)
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.signature import ROLE_CACHE_KEY, ROLE_CACHE_VALUE
 
@@ -61,23 +71,6 @@ def node(graph: ir.Graph, before: ir.Node, op: str, inputs: list[ir.Value | None
             v.type, v.shape = ir.TensorType(like[0]), ir.Shape(like[1])
     graph.insert_before(before, ir.Node(domain, op, inputs, attrs or [], outputs=out, name=name))
     return out
-
-
-def sweep(graph: ir.Graph) -> None:
-    """Remove what is left of the fused regions once nothing reads it (mask reshapes that the
-    exporter shared between layers outlive the first region that computed them), then the
-    initializers nothing reads any more (the regions' shape constants)."""
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(list(graph)):
-            if ((SCOPE.match(n.name or "") or ROTARY.match(n.name or ""))
-                    and not any(v.uses() or v.is_graph_output() for v in n.outputs)):
-                graph.remove(n, safe=True)
-                changed = True
-    for name, v in list(graph.initializers.items()):
-        if not v.uses() and not v.is_graph_output() and v.const_value is not None and v.const_value.size <= 16:
-            graph.initializers.pop(name)
 
 
 def origin(out: ir.Value, sources: list[ir.Value], members: set[ir.Node]) -> ir.Value | None:
@@ -194,7 +187,7 @@ class FuseAttention:
         counts["rotary_layers"] = self.fuse_rotary(graph, ctx, kind)
         if counts["rotary_layers"]:
             model.opset_imports[MS_DOMAIN] = 1
-            sweep(graph)
+            sweep(graph, SCOPE, ROTARY)
         found = regions(graph, scope=SCOPE)
         mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
         if not found or mask is None or mask.shape is None or not isinstance(mask.shape[0], int):
@@ -233,13 +226,11 @@ class FuseAttention:
                 outputs += [dataclasses.replace(spec[roles[r].name], name=cache_name(roles[r].name), role=role)
                             for r, role in (("past_k", ROLE_CACHE_KEY), ("past_v", ROLE_CACHE_VALUE))]
                 counts["shared_cache_layers"] += 1
-            for n in reversed(constants):
-                if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                    graph.remove(n, safe=True)
+            remove_unread(graph, constants)
             counts["fused_layers"] += 1
         if counts["fused_layers"]:
             model.opset_imports[MS_DOMAIN] = 1
-            sweep(graph)
+            sweep(graph, SCOPE, ROTARY)
         return counts
 
     @staticmethod
@@ -297,12 +288,8 @@ class FuseAttention:
                 heads_shape = const(graph, f"/model/rotary.heads_{heads}", np.array([0, 0, heads, d], np.int64))
                 out.replace_all_uses_with(node(graph, before, "Reshape", [y, heads_shape], f"{scope}/{out.name}",
                                                like=(dtype, list(source.shape)))[0])  # type: ignore[arg-type]
-            for n in reversed(nodes):
-                if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                    graph.remove(n, safe=True)
-            for n in reversed(constants):
-                if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                    graph.remove(n, safe=True)
+            remove_unread(graph, nodes)
+            remove_unread(graph, constants)
             done += 1
         return done
 
@@ -363,9 +350,7 @@ class FuseAttention:
         old.replace_all_uses_with(gqa.outputs[0])
         if old.is_graph_output():
             raise AssertionError(f"{old.name}: the attention output is a graph output")  # never: o_proj reads it
-        for n in reversed(nodes):
-            if not any(v.uses() or v.is_graph_output() for v in n.outputs):  # shared mask reshapes stay
-                graph.remove(n, safe=True)
+        remove_unread(graph, nodes)  # shared mask reshapes stay
         for r in ("q", "k", "v"):  # BNSD transposes that only the region read
             src = roles[r].producer()
             if src is not None and not roles[r].uses() and not roles[r].is_graph_output():

@@ -43,7 +43,7 @@ import onnx_ir as ir
 
 from qwen2om.ascend import soc_info
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import attention_roles, const, is_constant, regions
+from qwen2om.graph_rewrite import attention_roles, const, is_constant, regions, remove_unread, sweep
 from qwen2om.kernels.npu_attention import NO_LIMIT, PFA
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
@@ -163,12 +163,10 @@ class FuseAttentionAscend:
                 first = next(n for n in graph if n.name and SCOPE.match(n.name))
                 lengths = Lengths(Emit(graph, first), mask, p, t)
             self.fuse(graph, layer, nodes, roles, lengths, dims)
-            for n in reversed(constants):
-                if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                    graph.remove(n, safe=True)
+            remove_unread(graph, constants)
             fused += 1
         if fused:
-            sweep(graph)
+            sweep(graph, SCOPE)
         return fused, kept
 
     @staticmethod
@@ -196,21 +194,6 @@ class FuseAttentionAscend:
         flat = const(graph, f"/model/attention.merged_{heads * d}", np.array([0, 0, heads * d], np.int64))
         merged = emit("Reshape", [bsnd, flat], f"{scope}/Reshape_out", q.dtype, list(old.shape))  # type: ignore[arg-type]
         old.replace_all_uses_with(merged)
-        for n in reversed(nodes):
-            if not any(v.uses() or v.is_graph_output() for v in n.outputs):  # shared mask reshapes stay
-                graph.remove(n, safe=True)
+        remove_unread(graph, nodes)  # shared mask reshapes stay
 
 
-def sweep(graph: ir.Graph) -> None:
-    """What is left of the fused regions once nothing reads it (mask reshapes the exporter shared
-    between layers outlive the region that computed them), then the small initializers nothing reads."""
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(list(graph)):
-            if SCOPE.match(n.name or "") and not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                graph.remove(n, safe=True)
-                changed = True
-    for name, v in list(graph.initializers.items()):
-        if not v.uses() and not v.is_graph_output() and v.const_value is not None and v.const_value.size <= 16:
-            graph.initializers.pop(name)

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from qwen2om.ascend import Soc, soc_info
 from qwen2om.families import QWEN_NAMES
-from qwen2om.graph_rewrite import boundary, log_once
+from qwen2om.graph_rewrite import boundary, log_once, remove_unread
 from qwen2om.kernels.npu_norm import EPSILON
 from qwen2om.npu_kernels import NPU_DOMAIN, missing_kernel
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
@@ -189,9 +189,7 @@ class FuseNormAscend:
         y.replace_all_uses_with(outputs[0])
         if residual is not None:
             norm.x.replace_all_uses_with(outputs[2])
-        for n in reversed(norm.nodes):
-            if not any(v.uses() or v.is_graph_output() for v in n.outputs):
-                graph.remove(n, safe=True)
+        remove_unread(graph, norm.nodes)
         if residual is not None:
             graph.remove(residual, safe=True)
             return 2

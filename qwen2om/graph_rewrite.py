@@ -188,6 +188,35 @@ def replace_stack_uses(graph: ir.Graph, init: ir.Value, scope: str, wq: ir.Value
         graph.initializers.pop(init.name)
 
 
+def unread(node: ir.Node) -> bool:
+    """Nothing reads any output of `node`, and none is a graph output."""
+    return not any(v.uses() or v.is_graph_output() for v in node.outputs)
+
+
+def remove_unread(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove the nodes of a rewritten region that nothing reads any more, last first (so a chain goes
+    whole); a node another region shares (the exporter's common mask reshapes, constants) stays."""
+    for n in reversed(nodes):
+        if unread(n):
+            graph.remove(n, safe=True)
+
+
+def sweep(graph: ir.Graph, *scopes: re.Pattern[str]) -> None:
+    """Remove what is left of fused regions (nodes in `scopes`) once nothing reads it (mask reshapes
+    the exporter shared between layers outlive the region that computed them), then the small
+    initializers nothing reads any more (the regions' shape constants)."""
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(graph)):
+            if any(s.match(n.name or "") for s in scopes) and unread(n):
+                graph.remove(n, safe=True)
+                changed = True
+    for name, v in list(graph.initializers.items()):
+        if not v.uses() and not v.is_graph_output() and v.const_value is not None and v.const_value.size <= 16:
+            graph.initializers.pop(name)
+
+
 def log_once(log: Callable[[str], None]) -> Callable[[str], None]:
     """`log` that says each message once: a reason that holds for every layer (no kernel on this SoC)
     is logged once per pass, not once per layer and graph."""
