@@ -203,8 +203,6 @@ def decompose(model: onnx.ModelProto) -> int:
         known = {vi.name for vi in model.graph.value_info}
         model.graph.value_info.extend(vi for vi in inferred.graph.value_info if vi.name not in known)
     graph = model.graph
-    out_types = {n: t for n, t in ((vi.name, vi.type.tensor_type.elem_type) for vi in (*graph.output,
-                                                                                        *graph.value_info))}
     types = {**{i.name: i.data_type for i in graph.initializer},
              **{vi.name: vi.type.tensor_type.elem_type for vi in (*graph.input, *graph.value_info, *graph.output)}}
     new_nodes: list[onnx.NodeProto] = []
@@ -216,8 +214,8 @@ def decompose(model: onnx.ModelProto) -> int:
             continue
         b = Builder(graph, node.name or f"ascend{count}")
         if key[1] == WQBMM:
-            x_type = dtype(graph, node.input[0]) or out_types.get(node.output[0]) or TensorProto.FLOAT16
-            _wqbmm(b, node, out_types.get(node.output[0], x_type))
+            x_type = types.get(node.input[0]) or types.get(node.output[0]) or TensorProto.FLOAT16
+            _wqbmm(b, node, types.get(node.output[0]) or x_type)
         elif key in FUSED:
             FUSED[key](b, node, types)
         elif key[1] == ANTIQUANT:
