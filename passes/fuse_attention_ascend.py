@@ -41,7 +41,8 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from qwen2om.ascend import soc_info
+from qwen2om.arch import ModelDims
+from qwen2om.ascend import Soc, soc_info
 from qwen2om.families import QWEN_NAMES
 from qwen2om.graph_rewrite import attention_roles, const, is_constant, regions, remove_unread, sweep
 from qwen2om.kernels.npu_attention import NO_LIMIT, PFA
@@ -129,7 +130,7 @@ class FuseAttentionAscend:
                 model.opset_imports[NPU_DOMAIN] = 1
         return PassResult(any(v for k, v in stats.items() if k.endswith("_fused_attention")), stats)
 
-    def fuse_graph(self, model: ir.Model, kind: str, dims: object, soc: object, ctx: RunContext) -> tuple[int, int]:
+    def fuse_graph(self, model: ir.Model, kind: str, dims: ModelDims, soc: Soc, ctx: RunContext) -> tuple[int, int]:
         graph = model.graph
         found = regions(graph, scope=SCOPE)
         mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
@@ -145,7 +146,7 @@ class FuseAttentionAscend:
                     "layer's cache (the kernel reads one K/V tensor holding the new token), which on paper costs "
                     "what the kernel saves (docs/ascend.md); `fuse_attention_ascend: {decode: true}` fuses it anyway")
             return 0, len(found)
-        why = missing_kernel(PFA, soc, {"query": mask.dtype, "atten_mask": ir.DataType.BOOL})  # type: ignore[arg-type]
+        why = missing_kernel(PFA, soc, {"query": mask.dtype, "atten_mask": ir.DataType.BOOL})
         if why:
             ctx.log(f"{kind} graph: attention left in standard ops: {why}")
             return 0, len(found)
@@ -171,10 +172,10 @@ class FuseAttentionAscend:
 
     @staticmethod
     def fuse(graph: ir.Graph, layer: int, nodes: list[ir.Node], roles: dict[str, ir.Value], lengths: Lengths,
-             dims: object) -> None:
+             dims: ModelDims) -> None:
         scope = QWEN_NAMES.attention_scope(layer, "cache_attention")
         emit = Emit(graph, nodes[0])
-        heads, kv_heads, d = dims.heads, dims.kv_heads, dims.head_dim  # type: ignore[attr-defined]
+        heads, kv_heads, d = dims.heads, dims.kv_heads, dims.head_dim
         q, old = roles["q"], roles["out"]
         b, t = q.shape[0], q.shape[2]  # type: ignore[index]
         full = []

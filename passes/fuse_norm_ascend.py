@@ -20,6 +20,7 @@ Gated norms (the linear-attention layers' `norm(x) · silu(z)`) are not RMSNorm 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -152,18 +153,18 @@ class FuseNormAscend:
             stats |= {f"{kind}_fused_norms": fused, f"{kind}_add_rms_norms": with_add, f"{kind}_kept_norms": kept}
         return PassResult(any(v for k, v in stats.items() if k.endswith("_fused_norms")), stats)
 
-    def fuse(self, graph: ir.Graph, scope: str, norm: Norm, soc: Soc, log: object) -> int:
+    def fuse(self, graph: ir.Graph, scope: str, norm: Norm, soc: Soc, log: Callable[[str], None]) -> int:
         """0: left as it was (logged); 1: NPURmsNorm; 2: NPUAddRmsNorm with the residual Add."""
         if norm.why:
-            log(f"{scope}: RMSNorm left in standard ops: {norm.why}")  # type: ignore[operator]
+            log(f"{scope}: RMSNorm left in standard ops: {norm.why}")
             return 0
         if abs(norm.eps - EPSILON) > 1e-12:  # type: ignore[operator]
-            log(f"{scope}: RMSNorm left in standard ops: its ε is {norm.eps:g}, and CANN's ONNX plugins fix "  # type: ignore[operator]
+            log(f"{scope}: RMSNorm left in standard ops: its ε is {norm.eps:g}, and CANN's ONNX plugins fix "
                 f"the kernels' ε at {EPSILON:g}")
             return 0
         why = missing_kernel("NPURmsNorm", soc, {"x": norm.x.dtype, "gamma": norm.x.dtype})
         if why:
-            log(f"RMSNorm left in standard ops: {why}")  # type: ignore[operator]
+            log(f"RMSNorm left in standard ops: {why}")
             return 0
         # before y's producer, not the region's first node: a zero-centred norm computes its `1 + w`
         # (the kernel's gamma) inside the region, after x's first use
@@ -173,7 +174,7 @@ class FuseNormAscend:
         if residual is not None and gamma.dtype != norm.x.dtype:
             residual = None  # AddRmsNorm takes gamma in x's dtype only: the hybrid's float32 1 + w stays exact
         if residual is not None and (why := missing_kernel("NPUAddRmsNorm", soc, {"x1": norm.x.dtype})):
-            log(f"residual Add kept apart from its RMSNorm: {why}")  # type: ignore[operator]
+            log(f"residual Add kept apart from its RMSNorm: {why}")
             residual = None
         y = norm.y
         outputs = [ir.Value(name=f"{y.name}_npu", type=y.type, shape=y.shape),
