@@ -261,17 +261,20 @@ def cpu_runnable(out: Path, *, check_hashes: bool = False) -> Iterator[Path]:
     """`out` itself when its graphs are standard ONNX; else a temporary view of it whose graphs are
     decomposed, every other file hard-linked (ONNX Runtime refuses external data reached through a
     symlink out of the model's directory). The view lives inside `out`, so the links are on the same
-    file system; where `out` is not writable, files are copied to the system's temporary directory."""
+    file system; where `out` is not writable, files are copied to the system's temporary directory.
+    A staged OUT (convert --stages) gets a view of each stage folder, at the same place in the view."""
     out = Path(out)
     manifest = None  # none yet while convert checks its staging directory
+    folders = [Path()]
     if (out / "manifest.json").is_file():
         # OUT's own files, checked before any is parsed (the view's decomposed graphs have other hashes)
         from qwen2om.runtime.standalone import check_files, load_manifest
 
         manifest = load_manifest(out)
         check_files(out, manifest, hashes=check_hashes)
-    models = {p.name: load_graph(p) for p in sorted(out.glob("model.*.onnx"))}
-    if not any(has_ascend_ops(m) for m in models.values()):
+        folders += [Path(s["dir"]) for s in manifest.get("split", {}).get("stages", [])]
+    models = {f: {p.name: load_graph(p) for p in sorted((out / f).glob("model.*.onnx"))} for f in folders}
+    if not any(has_ascend_ops(m) for graphs in models.values() for m in graphs.values()):
         yield out
         return
     try:
@@ -280,20 +283,24 @@ def cpu_runnable(out: Path, *, check_hashes: bool = False) -> Iterator[Path]:
     except OSError:
         tmp, link = tempfile.TemporaryDirectory(prefix="qwen2om-cpu-"), shutil.copyfile  # type: ignore[assignment]
     with tmp as name:
-        view = Path(name)
-        for item in out.iterdir():
-            if item.is_file() and item.name not in models:
-                link(item, view / item.name)
-        for name_, model in models.items():
-            decompose(model)
-            onnx.save(model, view / name_)
-        if manifest is not None:
-            # The view's manifest lists the decomposed graphs as they are (the runtime checks sizes against
-            # it); a new file, not a write through the link into `out`'s own manifest.
-            for entry in manifest.get("files", []):
-                if entry["name"] in models:
-                    entry["bytes"] = (view / entry["name"]).stat().st_size
-                    entry.pop("sha256", None)
-            (view / "manifest.json").unlink()
-            (view / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        yield view
+        for folder, graphs in models.items():
+            view = Path(name) / folder
+            view.mkdir(parents=True, exist_ok=True)
+            src = out / folder
+            for item in src.iterdir():
+                if item.is_file() and item.name not in graphs:
+                    link(item, view / item.name)
+            for name_, model in graphs.items():
+                decompose(model)
+                onnx.save(model, view / name_)
+            if (src / "manifest.json").is_file():
+                # The view's manifest lists the decomposed graphs as they are (the runtime checks sizes against
+                # it); a new file, not a write through the link into `out`'s own manifest.
+                listed = json.loads((src / "manifest.json").read_text(encoding="utf-8"))
+                for entry in listed.get("files", []):
+                    if entry["name"] in graphs:
+                        entry["bytes"] = (view / entry["name"]).stat().st_size
+                        entry.pop("sha256", None)
+                (view / "manifest.json").unlink()
+                (view / "manifest.json").write_text(json.dumps(listed, indent=2) + "\n", encoding="utf-8")
+        yield Path(name)

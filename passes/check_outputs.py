@@ -92,8 +92,9 @@ def check_structure(path: Path, inputs: list[IOSpec], outputs: list[IOSpec], gea
     return referenced
 
 
-def trial_run(path: Path, inputs: list[IOSpec], gears: list[int] | None = None) -> None:
-    """All-zero inputs give finite logits; with gears, at the smallest and the largest."""
+def trial_run(path: Path, inputs: list[IOSpec], gears: list[int] | None = None, head: str = "logits") -> None:
+    """All-zero inputs give finite logits (a pipeline stage before the last: hidden states, `head`); with
+    gears, at the smallest and the largest."""
     try:
         options = ort.SessionOptions()
         options.add_session_config_entry("session.disable_prepacking", "1")  # no second weight copy
@@ -104,10 +105,10 @@ def trial_run(path: Path, inputs: list[IOSpec], gears: list[int] | None = None) 
     tokens = inputs[0].shape[1]
     for t in sorted({min(gears), max(gears)}) if gears else [tokens]:
         feeds = {s.name: np.zeros(at_tokens(s, tokens, t), dtype=s.dtype) for s in inputs}
-        logits = sess.run(["logits"], feeds)[0]
+        logits = sess.run([head], feeds)[0]
         if not np.isfinite(logits).all():
             at = f" at gear {t}" if gears else ""
-            raise Qwen2omError(f"{path.name}: logits are not finite on an all-zero input{at}")
+            raise Qwen2omError(f"{path.name}: {head} are not finite on an all-zero input{at}")
 
 
 def check_scale_map(stage: Path, sigs: dict[str, tuple[list[IOSpec], list[IOSpec]]]) -> None:
@@ -150,7 +151,7 @@ class CheckOutputs:
                 weights *= 2  # ONNX Runtime's CPU kernels are fp32: it keeps upcast copies of fp16 weights
             if weights <= self.run_limit:
                 with cpu_runnable(files[kind].parent) as view:  # Ascend ops run as their decompositions
-                    trial_run(view / files[kind].name, inputs, gears.get(kind))
+                    trial_run(view / files[kind].name, inputs, gears.get(kind), outputs[0].name)
                 ran += 1
             elif kind == next(iter(sigs)):
                 ctx.log(f"check_outputs: {weights / 2**30:.2f} GiB of weights is above the {self.run_limit >> 20} MiB "

@@ -26,6 +26,7 @@ from qwen2om.errors import Qwen2omError, caused_by_interrupt
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
 from qwen2om.replicate import TemplateError, layer_kinds, replicate_layers
 from qwen2om.signature import IOSpec, graph_io, token_axes
+from qwen2om.stages import Stage
 
 NP_TO_TORCH = {"int64": torch.int64, "float32": torch.float32, "float16": torch.float16}
 NP_DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -150,7 +151,7 @@ class ExportOnnx:
 
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         full, template, ckpt, r = state.static_model, state.template_model, state.checkpoint, ctx.recipe
-        dims = ckpt.dims
+        dims, stage = ckpt.dims, ctx.stage or Stage.whole(ckpt.dims.layers)
         graphs, sigs, traced = {}, {}, {}
         shapes = call_shapes(r)
         # Prefill gears: the prefill graph's T is symbolic (the recipe made its chunk the largest gear).
@@ -161,17 +162,18 @@ class ExportOnnx:
             logits_t = 1 if (t == 1 or r.logits == "last") else t
             io = {"batch": r.batch_size, "t": t, "capacity": int(r.max_seq_len), "dtype": NP_DTYPES[r.dtype],
                   "logits_t": logits_t}
-            inputs, outputs = graph_io(dims, **io)
+            inputs, outputs = graph_io(dims, **io, stage=stage)
+            n_template, n_layers = len(template.model.layers), len(stage.layers)
             try:
-                graph, traced[kind] = None, dims.layers
-                if self.replicate and len(template.model.layers) < dims.layers:
-                    small = graph_io(dataclasses.replace(dims, layers=len(template.model.layers)), **io)
+                graph, traced[kind] = None, n_layers
+                if self.replicate and n_template < n_layers:
+                    small = graph_io(dims, **io, stage=dataclasses.replace(stage, stop=stage.start + n_template))
                     graph = export(template, *small, r.opset, gears)
                     try:
-                        replicate_layers(graph, dims.layers, layer_kinds(dims))
-                        traced[kind] = len(template.model.layers)
+                        replicate_layers(graph, stage.stop, layer_kinds(dims))
+                        traced[kind] = n_template
                     except TemplateError as e:
-                        ctx.log(f"{kind} graph: cannot clone layers ({e}); tracing all {dims.layers} layers instead")
+                        ctx.log(f"{kind} graph: cannot clone layers ({e}); tracing all {n_layers} layers instead")
                         graph = None
                 if graph is None:
                     graph = export(full, inputs, outputs, r.opset, gears)

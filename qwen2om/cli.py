@@ -183,7 +183,7 @@ def next_commands(out: Path, manifest: dict[str, Any]) -> list[str]:
     target = TARGETS.get(manifest["recipe"].get("target", ORT.name))
     if not target.device_backend:
         return [*commands, f"{qwen2om} verify {o}", f"{run_py} --prompt 'Hello'"]
-    compiled = any(s["pass"] == "compile_ascend" and s["stats"].get("compiled") for s in manifest["stages"])
+    compiled = any(s["pass"] == "compile_ascend" and s["stats"].get("compiled") for s in manifest.get("stages", []))
     return [*commands, f"{qwen2om} inspect {o} --check {target.name}", f"{qwen2om} verify {o}",
             *([f"{run_py} --backend {target.device_backend} --prompt 'Hello'"] if compiled else [])]
 
@@ -238,6 +238,15 @@ def convert(
                                              "each pass did")] = False,
     allow_unused: Annotated[bool, typer.Option("--allow-unused", help="leave out, with a warning, tensors "
                                                "config.json does not account for (default: refuse them)")] = False,
+    stages: Annotated[str | None, typer.Option(help="cut the model into K pipeline stages (OUT/stages/NN/, one "
+                                               "complete static model per device, layers split so stage bytes "
+                                               "are balanced), or 'auto': the fewest that fit --device-memory "
+                                               "(`qwen2om plan` shows the split first)")] = None,
+    device_memory: Annotated[float | None, typer.Option("--device-memory", help="GiB per device, for --stages "
+                                                        "(default with --soc-version: the SoC's memory)")] = None,
+    only_stage: Annotated[int | None, typer.Option("--only-stage", help="with --stages: convert stage k only (each "
+                                                   "host its own; copy the stages/NN folders into one OUT to run "
+                                                   "them in one place)")] = None,
 ) -> None:
     """Convert MODEL into a static-shape ONNX output directory (manifest, graphs, tokenizer, run.py).
 
@@ -271,12 +280,16 @@ def convert(
             note(f"{flag} overrides --set {key}={as_set(settings[key])}")
         settings[key] = typed
     options = ConvertOptions(recipe, settings, force=force, resume=resume, workers=workers, dump_graphs=dump_graph,
-                             allow_unused=allow_unused)
+                             allow_unused=allow_unused, stages=stage_count(stages), device_memory=device_memory,
+                             only_stage=only_stage)
     with progress_bar(not as_json) as progress:
         result = run_convert(model, out, options, progress=progress, log=note,
                              on_step=lambda s: None if as_json else err.print(
                                  f"[green]✓[/] {s.name} [dim]{s.seconds:.2f}s[/]"))
     m = result.manifest
+    if "split" in m:
+        print_split(out, m, as_json)
+        return
     if as_json:
         print(json.dumps({k: m[k] for k in ("architecture", "recipe", "stages", "graphs", "files")}, indent=2))
         return
@@ -300,6 +313,38 @@ def convert(
               for k, g in m["graphs"].items()]
     out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']} "
                       f"· graphs: " + ", ".join(shapes))
+    out_console.print("next: " + "   |   ".join(next_commands(out, m)), soft_wrap=True, highlight=False)
+
+
+def stage_count(value: str | None) -> int | str | None:
+    """--stages: a count or "auto" (a bad word is the recipe error convert names)."""
+    if value is None or value.strip() == "auto":
+        return None if value is None else "auto"
+    try:
+        return int(value)
+    except ValueError:
+        from qwen2om.errors import RecipeError
+
+        raise RecipeError(f"--stages takes a number of stages or 'auto', not {value!r}") from None
+
+
+def print_split(out: Path, m: dict[str, Any], as_json: bool) -> None:
+    """A staged OUT: one row per stage (layers, estimated device bytes, folder)."""
+    split = m["split"]
+    if as_json:
+        print(json.dumps({k: m[k] for k in ("architecture", "recipe", "split", "files")}, indent=2))
+        return
+    table = Table(title=f"{out}: {split['count']} pipeline stages (split {split['id']})")
+    for col in ("stage", "layers", "device bytes (est.)", "folder"):
+        table.add_column(col)
+    for s in split["stages"]:
+        a, b = s["layers"]
+        here = (out / s["dir"] / "manifest.json").is_file()
+        table.add_row(str(s["index"]), f"{a}–{b - 1}", fmt_bytes(s["device_bytes"]),
+                      s["dir"] + ("" if here else " (not converted here)"))
+    out_console.print(table)
+    rt = m["runtime"]
+    out_console.print(f"{m['architecture']} · {rt['dtype']} · cache capacity {rt['capacity']} · batch {rt['batch']}")
     out_console.print("next: " + "   |   ".join(next_commands(out, m)), soft_wrap=True, highlight=False)
 
 
@@ -855,6 +900,87 @@ def doctor(
             out_console.print(f"[red]{len(report.problems)} problem(s):[/] "
                               + "; ".join(c.name for c in report.problems))
     raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Argument(help="checkpoint directory or builtin:NAME; only config.json and the "
+                                         "safetensors headers are read")],
+    target: Annotated[str | None, typer.Option(help="compile target: ort (default) or ascend")] = None,
+    soc_version: Annotated[str | None, typer.Option("--soc-version", help="the Ascend SoC (e.g. Ascend910B3, "
+                                                    "Ascend310P3); its memory is the device's; implies --target "
+                                                    "ascend")] = None,
+    devices: Annotated[int | None, typer.Option(help="split into this many stages, one per device, balanced; "
+                                                "default: the fewest that fit")] = None,
+    device_memory: Annotated[float | None, typer.Option("--device-memory", metavar="GiB", help="memory of one "
+                                                        "device, in GiB (default: the SoC's, from qwen2om's table; "
+                                                        "target ort: this machine's RAM)")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="KV cache capacity P (default 2048 or the model's "
+                                                     "limit)")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="static batch size B (default 1)")] = None,
+    prefill_chunk: Annotated[int | None, typer.Option(help="tokens per prefill call (default 128): sizes the "
+                                                      "workspace")] = None,
+    dtype: Annotated[str | None, typer.Option(help="compute dtype: fp16 or fp32 (default: the target's)")] = None,
+    scheme: Annotated[str | None, typer.Option(help="a float checkpoint's weights counted as if calibrated: "
+                                               "w4a16 (symmetric int4, groups of 128) or fp8-block (e4m3fn, "
+                                               "128×128 tiles)")] = None,
+    recipe: Annotated[str | None, typer.Option(help="bundled recipe or YAML file, as convert takes it (its "
+                                               "passes decide how weights are stored)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="recipe override key=value (repeatable), as "
+                                                   "convert takes it")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """How much memory MODEL needs per device, and the stage split a conversion would use.
+
+    Reads only config.json and the safetensors headers (no tensor data). Per device (one pipeline
+    stage each): the weights by dtype as the conversion stores them (float in the compute dtype; int4
+    and FP8 as the target's lowering writes them), the KV cache and linear-attention state at capacity
+    max_seq_len × batch_size, a workspace estimate (the peak working set of one prefill call, layer by
+    layer: see docs/plan.md), and the total against the device's memory.
+
+    Device memory: --device-memory, else the SoC's (Ascend910B1-B3 64 GiB, 910B4 32 GiB, 910_93 64 GiB per
+    die, 310P3 24 GiB, 310B 8 GiB; qwen2om/data/soc_memory.json names the sources), else (target ort)
+    this machine's RAM.
+
+    Exit codes: 0 = the plan fits; 2 = it cannot (the stage that does not fit is named with its bytes)
+    or bad input."""
+    from qwen2om.planner import WORKSPACE_HOW, dtype_summary, plan_model, totals_by_dtype
+    from qwen2om.recipe import parse_overrides, setting
+    from qwen2om.stages import gib
+
+    settings = parse_overrides(set_ or [])
+    if soc_version is not None and target is None:
+        target = "ascend"
+    for key, value in (("target", target), ("soc_version", soc_version), ("dtype", dtype),
+                       ("max_seq_len", max_seq_len), ("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
+        if value is not None:
+            settings[key] = setting(key, value, f"--{key.replace('_', '-')} {value}")
+    p = plan_model(model, settings, recipe=recipe, devices=devices, device_memory=device_memory, scheme=scheme)
+    if as_json:
+        print(json.dumps(p.to_dict(), indent=2))
+        return
+    r, dev = p.recipe, p.device
+    out_console.print(f"{shown(p.model)}: {p.architecture}, {len(p.costs.layers)} layers · target {r.target}"
+                      + (f" {r.soc_version}" if r.soc_version else "") + f" · {r.dtype} · capacity "
+                      f"{r.max_seq_len} × batch {r.batch_size} · prefill chunk {r.prefill_chunk}"
+                      + (f" · --scheme {p.scheme}" if p.scheme else ""), highlight=False)
+    out_console.print(f"device: {shown(dev.name)}, {gib(dev.memory)} ({shown(dev.source)})", highlight=False,
+                      soft_wrap=True)
+    dtypes = sorted(totals_by_dtype(p.stages), key=lambda k: -totals_by_dtype(p.stages)[k])
+    table = Table(title=f"{len(p.stages)} stage(s), one per device; weights by dtype as converted")
+    for col in ("stage", "layers", *dtypes, "KV cache", "lin. state", "workspace", "total", "of device"):
+        table.add_column(col, justify="left" if col in ("stage", "layers") else "right")
+    for st in p.stages:
+        table.add_row(str(st.index), f"{st.start}–{st.stop - 1}", *(fmt_bytes(st.weights.get(k, 0)) for k in dtypes),
+                      fmt_bytes(st.kv_cache), fmt_bytes(st.linear_state), fmt_bytes(st.workspace),
+                      fmt_bytes(st.total), f"{st.total / dev.memory:.0%}")
+    out_console.print(table)
+    total = sum(st.total for st in p.stages)
+    out_console.print(f"total {fmt_bytes(total)} on {len(p.stages)} device(s); weights "
+                      f"{dtype_summary(totals_by_dtype(p.stages), fmt_bytes)}", highlight=False, soft_wrap=True)
+    out_console.print(f"workspace per stage: {WORKSPACE_HOW}", highlight=False, soft_wrap=True)
+    for message in p.notes:
+        note(message)
 
 
 HELP_ITEM = re.compile(r"\d+ = |- ")  # lines of a list ("1 = --diff: …", "- …") keep their own line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from qwen2om.passes.lower_int4_ascend import int4_form
 from qwen2om.passes.package import CONFIG_FILES
 from qwen2om.pipeline import RunContext, StepReport, no_progress, run_pipeline
 from qwen2om.recipe import Recipe, checked_settings, load_recipe, parse_overrides, target_recipe, with_settings
+from qwen2om.stages import Stage
 from qwen2om.state import ConvertState
 
 LAYOUT = {
@@ -50,6 +52,10 @@ class ConvertOptions:
     workers: int | None = None  # threads; None: every core this process may use
     dump_graphs: bool = False  # each graph after each pass → OUT/graphs/NN_<pass>.<kind>.txt (graphdump.py)
     allow_unused: bool = False  # tensors config.json does not account for: logged and left out, not refused
+    # Pipeline stages (qwen2om/stages.py): K, "auto" (the fewest that fit device_memory), or None: unstaged.
+    stages: int | str | None = None
+    device_memory: float | None = None  # GiB per device, for --stages auto (default: the SoC's)
+    only_stage: int | None = None  # convert this stage only (each host its own)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", checked_settings(self.settings))
@@ -185,6 +191,11 @@ def convert(
     source = resolve_model(model)
     config = read_config(source)  # read once: the recipe, preflight and the Checkpoint all use it
     r = choose_recipe(config, options.recipe, options.settings)
+    split = None
+    if options.stages is not None or options.only_stage is not None or options.device_memory is not None:
+        from qwen2om.staged import plan_split
+
+        split = plan_split(config, r, options)  # refused before anything is opened or staged
     opened = preflight(config, r, allow_unused=options.allow_unused, log=log)
     try:
         n_workers = choose_workers(options.workers, log)
@@ -193,16 +204,15 @@ def convert(
         out = Path(out)
         with staged_output(out, force=options.force, resume=options.resume, log=log) as stage:
             try:
-                journal = Journal.open(stage, key, resume=options.resume)
-                ctx = RunContext(recipe=r, stage_dir=stage, source=source, model=str(model),
-                                 tool_version=tools["qwen2om"], progress=progress, log=log, workers=n_workers,
-                                 journal=journal, opened_checkpoint=opened)
-                state = ConvertState()
-                after = pass_dumper(stage / "graphs") if options.dump_graphs else None
-                steps = run_pipeline(r.pipeline, state, ctx, on_step, after)
-                manifest = build_manifest(str(model), source, r, config.dims, state, steps, tools)
-                journal.remove()
-                write_manifest(stage, manifest, n_workers)
+                run = functools.partial(convert_into, model=str(model), source=source, config=config, recipe=r,
+                                        options=options, opened=opened, tools=tools, workers=n_workers,
+                                        progress=progress, log=log, on_step=on_step)
+                if split is not None:
+                    from qwen2om.staged import convert_stages
+
+                    steps, manifest = convert_stages(stage, split, key, run)
+                else:
+                    steps, manifest = run(stage, key)
             except KeyboardInterrupt:
                 raise Interrupted(f"{out} was not written; finished work is kept in {stage}: rerun the same "
                                   "command with --resume to continue") from None
@@ -218,6 +228,27 @@ def convert(
         if opened is not None:  # the state's checkpoint, once load_checkpoint has taken it on
             opened.close()
     return ConvertResult(out, r, steps, manifest)
+
+
+def convert_into(stage: Path, key: dict[str, Any], *, model: str, source: Path, config: ModelConfig, recipe: Recipe,
+                 options: ConvertOptions, opened: Checkpoint | None, tools: dict[str, str], workers: int,
+                 progress: Callable[..., None], log: Callable[[str], None], on_step: Callable[[StepReport], None],
+                 split: Stage | None = None, extra: Mapping[str, Any] | None = None,
+                 ) -> tuple[list[StepReport], dict[str, Any]]:
+    """Run the pipeline into the directory `stage` (a conversion's staging directory, or one pipeline
+    stage's folder inside it) and write its manifest (with `extra` keys); returns the steps and manifest."""
+    journal = Journal.open(stage, key, resume=options.resume)
+    ctx = RunContext(recipe=recipe, stage_dir=stage, source=source, model=model, tool_version=tools["qwen2om"],
+                     progress=progress, log=log, workers=workers, journal=journal, opened_checkpoint=opened,
+                     stage=split)
+    state = ConvertState()
+    after = pass_dumper(stage / "graphs") if options.dump_graphs else None
+    steps = run_pipeline(recipe.pipeline, state, ctx, on_step, after)
+    manifest = build_manifest(model, source, recipe, config.dims, state, steps, tools)
+    manifest.update(extra or {})
+    journal.remove()
+    write_manifest(stage, manifest, workers)
+    return steps, manifest
 
 
 def source_entries(source: Path, ckpt: Any, state: ConvertState) -> list[dict[str, Any]]:

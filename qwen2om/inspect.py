@@ -22,7 +22,7 @@ import onnx
 
 from qwen2om.errors import Qwen2omError
 from qwen2om.onnxfile import check_external_data, initializer_sha256, load_graph
-from qwen2om.output import read_manifest
+from qwen2om.output import manifest_graphs, read_manifest
 
 LAYERED = re.compile(r"^(.*?)\.(\d+)$")  # past_key.3 → (past_key, 3)
 
@@ -187,8 +187,8 @@ def inspect_output(root: Path, checksums: bool = False) -> OutputInfo:
     check_files(root, manifest, hashes=checksums)
     graphs = {}
     cache: dict[tuple[str, int, int], str] = {}  # decode and prefill share their weights: hash each once
-    for kind, spec in manifest["graphs"].items():
-        graphs[kind] = dataclasses.replace(onnx_summary(root / spec["file"], checksums, cache), file=spec["file"],
+    for kind, (path, spec) in manifest_graphs(root, manifest).items():
+        graphs[kind] = dataclasses.replace(onnx_summary(path, checksums, cache), file=str(path.relative_to(root)),
                                            tokens=spec["tokens"], inputs=spec["inputs"], outputs=spec["outputs"])
     scale_map_path = root / "scale_map.json"
     scale_map = json.loads(scale_map_path.read_text(encoding="utf-8")) if scale_map_path.is_file() else {}
@@ -302,7 +302,7 @@ def check_graphs(path: Path | str, target: str, soc_version: str | None = None, 
     path = Path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = read_manifest(path)
-        files = {kind: path / spec["file"] for kind, spec in manifest["graphs"].items()}
+        files = {kind: f for kind, (f, _) in manifest_graphs(path, manifest).items()}
     elif path.is_file() and path.suffix == ".onnx":
         files = {path.name: path}
     else:

@@ -127,9 +127,11 @@ def manifest_roles(path: Path) -> dict[str, dict[str, str]]:
     manifest_path = Path(path) / "manifest.json"
     if not manifest_path.is_file():
         return {}
+    from qwen2om.output import manifest_graphs
+
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     return {kind: {io["name"]: io["role"] for side in ("inputs", "outputs") for io in spec[side]}
-            for kind, spec in manifest["graphs"].items()}
+            for kind, (_, spec) in manifest_graphs(Path(path), manifest).items()}
 
 
 def initializer_sha256(model: onnx.ModelProto, path: Path,

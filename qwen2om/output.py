@@ -225,3 +225,20 @@ def read_manifest(out: Path) -> dict[str, Any]:
     except RuntimeInputError as e:
         raise Qwen2omError(str(e)) from None
     return manifest
+
+
+def manifest_graphs(root: Path, manifest: dict[str, Any]) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Every graph of an output directory: kind → (file, its manifest entry). A staged OUT (convert
+    --stages) lists each stage's graphs as `stage<k>/<kind>`, from that stage's own manifest; a stage
+    not converted here (--only-stage elsewhere) is left out."""
+    if "split" not in manifest:
+        return {kind: (root / spec["file"], spec) for kind, spec in manifest["graphs"].items()}
+    out = {}
+    for stage in manifest["split"]["stages"]:
+        folder = root / stage["dir"]
+        if not (folder / MANIFEST).is_file():
+            continue
+        own = read_manifest(folder)
+        for kind, spec in own["graphs"].items():
+            out[f"stage{stage['index']}/{kind}"] = (folder / spec["file"], spec)
+    return out

@@ -25,6 +25,7 @@ from qwen2om.state import FACTS, FIELDS, ConvertState, check_names
 if TYPE_CHECKING:
     from qwen2om.checkpoint import Checkpoint
     from qwen2om.recipe import Recipe
+    from qwen2om.stages import Stage
 
 Stats = dict[str, int | float | str]
 
@@ -58,6 +59,8 @@ class RunContext:
     # The checkpoint `convert` opened (lazily: headers) for its checks before any work; load_checkpoint
     # checks it and puts it in the state instead of opening it again. Other passes read state.checkpoint.
     opened_checkpoint: Checkpoint | None = None
+    # A pipeline stage's layers and ends (`convert --stages`, qwen2om/stages.py); None: the whole model.
+    stage: Stage | None = None
 
 
 class Pass(Protocol):

@@ -85,8 +85,9 @@ class LayerTemplate:
     io_out: list[ir.Value]
 
 
-def layer_template(graph: ir.Graph, src: int, taint: dict[ir.Value, frozenset[int]]) -> LayerTemplate:
-    """Layer `src` of the traced graph, checked to be self-contained but for its carried hidden state."""
+def layer_template(graph: ir.Graph, src: int, taint: dict[ir.Value, frozenset[int]], first: int = 0) -> LayerTemplate:
+    """Layer `src` of the traced graph, checked to be self-contained but for its carried hidden state
+    (`first`: the graph's first layer, 0 but in a pipeline stage's graph)."""
     body = [n for n in graph if node_layer(n) == src]
     members = set(body)
     if not body:
@@ -96,9 +97,9 @@ def layer_template(graph: ir.Graph, src: int, taint: dict[ir.Value, frozenset[in
         raise TemplateError("the layer has subgraphs")
     outside_in = {v for n in body for v in n.inputs
                   if v is not None and v.producer() is not None and v.producer() not in members}
-    carry_in = [v for v in outside_in if 0 in taint[v]]
+    carry_in = [v for v in outside_in if first in taint[v]]
     if len(carry_in) != 1:
-        raise TemplateError(f"layer {src} takes {len(carry_in)} inputs computed from layer 0, not 1")
+        raise TemplateError(f"layer {src} takes {len(carry_in)} inputs computed from layer {first}, not 1")
     leaving = {v for n in body for v in n.outputs
                if not v.is_graph_output() and any(user not in members for user, _ in v.uses())}
     if len(leaving) != 1:
@@ -121,8 +122,9 @@ def layer_kinds(d: ModelDims) -> list[Hashable]:
 
 
 def template_layers(kinds: Sequence[Hashable]) -> int:
-    """How many leading layers to trace so that every later layer's kind has a stamp other than layer 0
-    (2 for uniform layers; 4 for Qwen3.5's linear, linear, linear, full pattern)."""
+    """How many leading layers to trace so that every later layer's kind has a stamp other than the first
+    (2 for uniform layers; 4 for Qwen3.5's linear, linear, linear, full pattern). `kinds`: the layers of
+    the graph, in order (a pipeline stage's own)."""
     for n in range(2, len(kinds) + 1):
         if set(kinds[n:]) <= set(kinds[1:n]):
             return n
@@ -132,18 +134,22 @@ def template_layers(kinds: Sequence[Hashable]) -> int:
 def replicate_layers(model: ir.Model, layers: int, kinds: Sequence[Hashable] | None = None) -> int:
     """Grow the traced leading layers of an export to `layers` layers in place; returns the number of
     nodes added. `kinds` (one per layer; default all alike) says which traced layer stamps which:
-    each later layer is cloned from the last traced layer (not layer 0) of its kind."""
+    each later layer is cloned from the last traced layer (not the first) of its kind.
+
+    A pipeline stage's graph (qwen2om/stages.py) starts at its first layer, not 0: layers are numbered
+    model-wide throughout, `layers` is the stop of the stage's run and `kinds` is indexed model-wide."""
     graph = model.graph
     kinds = list(kinds) if kinds is not None else [0] * layers
-    traced = 1 + max((node_layer(n) for n in graph if node_layer(n) is not None), default=-1)
-    if layers <= max(traced, 2):
+    scoped = [node_layer(n) for n in graph if node_layer(n) is not None]
+    first, traced = min(scoped, default=0), 1 + max(scoped, default=-1)
+    if layers <= max(traced, first + 2):
         return 0
-    if traced < 2:
-        raise TemplateError("no nodes are scoped to model.layers.1")
+    if traced < first + 2:
+        raise TemplateError(f"no nodes are scoped to model.layers.{first + 1}")
     taint = taints(graph)
     stamps: dict[Hashable, LayerTemplate] = {}
-    for src in range(1, traced):
-        stamps[kinds[src]] = layer_template(graph, src, taint)
+    for src in range(first + 1, traced):
+        stamps[kinds[src]] = layer_template(graph, src, taint, first)
     if missing := {kinds[i] for i in range(traced, layers)} - set(stamps):
         raise TemplateError(f"no traced layer after layer 0 is of kind {sorted(map(str, missing))}")
     last = stamps[kinds[traced - 1]]

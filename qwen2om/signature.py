@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from qwen2om.arch import ModelDims
+from qwen2om.stages import Stage
 
 # Roles a runtime (or `inspect`) keys on; never rename these, run.py reads them from the manifest.
 ROLE_IDS, ROLE_MASK, ROLE_POSITIONS = "ids", "mask", "positions"
@@ -18,6 +19,9 @@ ROLE_SCALE = "scale"  # a quantisation scale fed as an input (`scales: inputs`),
 # binds it to the same buffer as the past input, so the kernel reads the cache in place and writes only the
 # new token's slot; the new K/V still come out as present_key/value and the runtime still owns the slots.
 ROLE_CACHE_KEY, ROLE_CACHE_VALUE = "cache_key", "cache_value"
+# Pipeline stages (qwen2om/stages.py): a stage after the first takes the hidden states [B, T, hidden] the
+# stage before it returns, in place of the ids; a stage before the last returns them in place of logits.
+ROLE_HIDDEN_IN, ROLE_HIDDEN_OUT = "hidden_in", "hidden_out"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,7 @@ def token_axes(role: str, shape: tuple[int, ...] | list[int], tokens: int) -> di
     [B, H, T, D], and logits when all T positions are returned. A graph exported for prefill gears
     has these axes symbolic, ATC's --input_shape writes them as -1 and each --dynamic_dims gear lists
     their values in input order (run.py's `shape_at` applies the same rule)."""
-    if role in (ROLE_IDS, ROLE_POSITIONS):
+    if role in (ROLE_IDS, ROLE_POSITIONS, ROLE_HIDDEN_IN, ROLE_HIDDEN_OUT):
         return {1: 0}
     if role == ROLE_MASK:
         return {2: 0, 3: int(shape[3]) - tokens}
@@ -52,21 +56,28 @@ def token_axes(role: str, shape: tuple[int, ...] | list[int], tokens: int) -> di
 
 
 def graph_io(d: ModelDims, *, batch: int, t: int, capacity: int, dtype: str,
-             logits_t: int) -> tuple[list[IOSpec], list[IOSpec]]:
+             logits_t: int, stage: Stage | None = None) -> tuple[list[IOSpec], list[IOSpec]]:
     """Inputs and outputs of one call shape: T new tokens into a cache of capacity P (BNSD).
+
+    With a `stage` (qwen2om/stages.py), only its layers' caches and states; a stage after the first takes
+    `hidden_in` [B, T, hidden] (compute dtype) in place of the ids, and a stage before the last returns
+    `hidden_out` [B, T, hidden] (all T: the next stage needs every position) in place of the logits.
 
     A hybrid's linear-attention layer takes `conv_state.{i}` [B, K-1, conv_dim] (compute dtype) and
     `recurrent_state.{i}` [B, Hv, dk, dv] (float32) where a full-attention layer takes its K/V, and
     returns their updated values, `present_conv_state.{i}` / `present_recurrent_state.{i}`, whole."""
     kv = (batch, d.kv_heads, capacity, d.head_dim)
     new_kv = (batch, d.kv_heads, t, d.head_dim)
+    stage = stage or Stage.whole(d.layers)
     inputs = [
-        IOSpec("input_ids", "int64", (batch, t), ROLE_IDS),
+        IOSpec("input_ids", "int64", (batch, t), ROLE_IDS) if stage.first else
+        IOSpec("hidden_in", dtype, (batch, t, d.hidden), ROLE_HIDDEN_IN),
         IOSpec("attention_mask", dtype, (batch, 1, t, capacity + t), ROLE_MASK),
         IOSpec("position_ids", "int64", (batch, t), ROLE_POSITIONS),
     ]
-    outputs = [IOSpec("logits", "float32", (batch, logits_t, d.vocab), ROLE_LOGITS)]
-    for i in range(d.layers):
+    outputs = [IOSpec("logits", "float32", (batch, logits_t, d.vocab), ROLE_LOGITS) if stage.last else
+               IOSpec("hidden_out", dtype, (batch, t, d.hidden), ROLE_HIDDEN_OUT)]
+    for i in stage.layers:
         if d.is_linear(i):
             conv = (batch, d.conv_kernel - 1, d.conv_dim)
             rec = (batch, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim)

@@ -30,7 +30,19 @@ from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims, text_config
 from qwen2om.errors import CheckpointError
-from qwen2om.static_model import MLP, CacheAttention, Embedding, Linear, RMSNorm, Rotary, SparseMoE, StaticLM
+from qwen2om.stages import Stage
+from qwen2om.static_model import (
+    MLP,
+    CacheAttention,
+    Embedding,
+    LayerStack,
+    Linear,
+    RMSNorm,
+    Rotary,
+    SparseMoE,
+    StaticLM,
+    stage_layers,
+)
 from qwen2om.weights import Weights
 
 MAX_SUBCHUNK = 64  # tokens per block of the chunked delta rule (FLA and transformers use 64)
@@ -263,11 +275,13 @@ class HybridLayer(nn.Module):
 
 
 class HybridBody(nn.Module):
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: int, *, fused: bool) -> None:
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: range, *, fused: bool,
+                 stage: Stage | None = None) -> None:
         super().__init__()
-        self.embed_tokens = None if d.tied else Embedding(w, "model.embed_tokens")
-        self.layers = nn.ModuleList(HybridLayer(arch, d, w, f"model.layers.{i}", i, fused=fused) for i in range(layers))
-        self.norm = ZeroCentredRMSNorm(w, "model.norm", d.rms_eps)
+        stage = stage or Stage.whole(d.layers)
+        self.embed_tokens = Embedding(w, "model.embed_tokens") if stage.first and not d.tied else None
+        self.layers = LayerStack((i, HybridLayer(arch, d, w, f"model.layers.{i}", i, fused=fused)) for i in layers)
+        self.norm = ZeroCentredRMSNorm(w, "model.norm", d.rms_eps) if stage.last else None
 
 
 class StaticHybrid(StaticLM):
@@ -276,15 +290,16 @@ class StaticHybrid(StaticLM):
     the outputs after the logits follow the same order with the new values."""
 
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
-                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
-        body = HybridBody(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
-        super().__init__(d, w, cos, sin, body, logits_last=logits_last)
+                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False,
+                 stage: Stage | None = None) -> None:
+        body = HybridBody(arch, d, w, stage_layers(d, stage, layers), fused=fused_experts, stage=stage)
+        super().__init__(d, w, cos, sin, body, logits_last=logits_last, stage=stage)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
         past: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, ...]:
-        x = self.embed(input_ids)
+        x = self.entry(input_ids)
         t = x.shape[1]
         cos, sin = self.rope(position_ids, x.dtype)  # [B, 1, T, rotary dim]
         # The last row is always a real token; the rows it cannot see among the new ones are pads.
@@ -294,7 +309,7 @@ class StaticHybrid(StaticLM):
         for i, layer in enumerate(self.model.layers):
             x, o0, o1 = layer(x, cos, sin, attention_mask, valid, past[2 * i], past[2 * i + 1])
             new += [o0, o1]
-        return (self.logits(x), *new)
+        return (self.head(x), *new)
 
 
 def state_shapes(d: ModelDims, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

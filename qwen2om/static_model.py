@@ -17,10 +17,13 @@ Parameter names stay the Hugging Face ones so graph initializers read like the c
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
 from qwen2om.arch import ArchSpec, ModelDims
+from qwen2om.stages import Stage
 from qwen2om.weights import Weights
 
 
@@ -257,15 +260,40 @@ class Embedding(nn.Module):
         self.weight = w.param(f"{name}.weight")
 
 
-class Body(nn.Module):
-    """`model.*` of the Hugging Face layout."""
+class LayerStack(nn.Module):
+    """Decoder layers under their model-wide numbers: a pipeline stage that starts at layer 5 holds
+    `model.layers.5`, so its weights, scopes and cache names read as the checkpoint's."""
 
-    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: int, *, fused: bool = False) -> None:
+    def __init__(self, layers: Iterable[tuple[int, nn.Module]]) -> None:
         super().__init__()
-        self.embed_tokens = None if d.tied else Embedding(w, "model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(arch, d, w, f"model.layers.{i}", i, fused=fused)
-                                    for i in range(layers))
-        self.norm = RMSNorm(w, "model.norm", d.rms_eps)
+        for i, layer in layers:
+            self.add_module(str(i), layer)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+def stage_layers(d: ModelDims, stage: Stage | None, layers: int | None) -> range:
+    """The decoder layers a static model builds: the stage's (all by default), or its first `layers`
+    (the template export_onnx replicates)."""
+    run = (stage or Stage.whole(d.layers)).layers
+    return run if layers is None else run[:layers]
+
+
+class Body(nn.Module):
+    """`model.*` of the Hugging Face layout: of a pipeline stage, only the parts it runs (the embedding
+    in the first, the final norm in the last)."""
+
+    def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, layers: range, *, fused: bool = False,
+                 stage: Stage | None = None) -> None:
+        super().__init__()
+        stage = stage or Stage.whole(d.layers)
+        self.embed_tokens = Embedding(w, "model.embed_tokens") if stage.first and not d.tied else None
+        self.layers = LayerStack((i, DecoderLayer(arch, d, w, f"model.layers.{i}", i, fused=fused)) for i in layers)
+        self.norm = RMSNorm(w, "model.norm", d.rms_eps) if stage.last else None
 
 
 class StaticLM(nn.Module):
@@ -274,12 +302,15 @@ class StaticLM(nn.Module):
     the compute dtype (see rope.py)."""
 
     def __init__(self, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor, body: nn.Module,
-                 *, logits_last: bool) -> None:
+                 *, logits_last: bool, stage: Stage | None = None) -> None:
         super().__init__()
         self.d, self.logits_last = d, logits_last
+        self.stage = stage or Stage.whole(d.layers)
         self.model = body
-        # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head.
-        self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
+        # Tied: one [hidden, vocab] table, Gather along axis 1 for the embedding, MatMul for the head
+        # (a first stage that is not also the last holds it for the embedding only).
+        if self.stage.last or (self.stage.first and d.tied):
+            self.lm_head = Linear(w, "lm_head", source="model.embed_tokens" if d.tied else None)
         self.register_buffer("rope_cos", w.constant("rope_cos", cos), persistent=True)
         self.register_buffer("rope_sin", w.constant("rope_sin", sin), persistent=True)
 
@@ -300,25 +331,35 @@ class StaticLM(nn.Module):
             x = x[:, -1:, :]
         return self.lm_head(self.model.norm(x)).float()
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The first output: logits, or in a stage before the last the hidden states for the next stage."""
+        return self.logits(x) if self.stage.last else x
+
+    def entry(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states the layers start from: embedded ids, or in a stage after the first its input."""
+        return self.embed(input_ids) if self.stage.first else input_ids
+
 
 class StaticQwen(StaticLM):
     """Qwen2/Qwen3 (dense or MoE) with the static forward signature; weights in the compute dtype."""
 
     def __init__(self, arch: ArchSpec, d: ModelDims, w: Weights, cos: torch.Tensor, sin: torch.Tensor,
-                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False) -> None:
-        """`layers` < d.layers builds only the first ones: the template export_onnx replicates.
-        `fused_experts`: the checkpoint holds MoE experts 3-D (see arch.expert_tensors)."""
-        body = Body(arch, d, w, d.layers if layers is None else layers, fused=fused_experts)
-        super().__init__(d, w, cos, sin, body, logits_last=logits_last)
+                 *, logits_last: bool, layers: int | None = None, fused_experts: bool = False,
+                 stage: Stage | None = None) -> None:
+        """`layers` builds only the first ones (of the stage): the template export_onnx replicates.
+        `fused_experts`: the checkpoint holds MoE experts 3-D (see arch.expert_tensors). `stage`: a
+        pipeline stage's layers and ends (qwen2om/stages.py); default the whole model."""
+        body = Body(arch, d, w, stage_layers(d, stage, layers), fused=fused_experts, stage=stage)
+        super().__init__(d, w, cos, sin, body, logits_last=logits_last, stage=stage)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
         past: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, ...]:
-        x = self.embed(input_ids)
+        x = self.entry(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
             new_kv += [k, v]
-        return (self.logits(x), *new_kv)
+        return (self.head(x), *new_kv)

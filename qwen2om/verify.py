@@ -358,7 +358,7 @@ def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, 
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
     check_same_vocabulary(out, ref_dir, (str(out), str(reference)))
     model = load_reference(ref_dir, loader)
-    chunk = max(s["tokens"] for s in manifest["graphs"].values())
+    chunk = max(g.tokens for g in engine.graphs.values())
     long = long_prompt(engine, chunk + 5) if chunk + 5 + tokens <= engine.capacity else None
     texts = list(prompts) if prompts else [*DEFAULT_PROMPTS, *([long] if long else [])]
     # Every prompt's reference first: the logits limit rests on the noise and scale of them all.

@@ -115,7 +115,9 @@ def check_manifest(model_dir: Path, manifest: object) -> None:
     bad += ["eos_token_ids"] * (not isinstance(ids, list) or not all(count(i) for i in ids))
     if bad or not rt["batch"] or not rt["capacity"]:
         raise RuntimeInputError(f"{where}: runtime {', '.join(bad) or 'capacity/batch'} damaged (convert again)")
-    if not isinstance(graphs, dict) or not graphs or not all(
+    if "split" in manifest:  # a staged OUT (convert --stages): each stage's folder has its own graphs
+        check_split(where, manifest["split"])
+    elif not isinstance(graphs, dict) or not graphs or not all(
             isinstance(g, dict) and isinstance(g.get("file"), str) and isinstance(g.get("inputs"), list)
             and isinstance(g.get("outputs"), list) for g in graphs.values()):
         raise RuntimeInputError(f"{where}: 'graphs' must name at least one graph, each with its file, inputs and "
@@ -126,11 +128,25 @@ def check_manifest(model_dir: Path, manifest: object) -> None:
         raise RuntimeInputError(f"{where}: 'files' must list each file's name and bytes (damaged: convert again)")
 
 
+def check_split(where: str, split: object) -> None:
+    """A staged OUT's `split`: its id and the stages, each a layer range and a folder, in order."""
+    ok = isinstance(split, dict) and isinstance(split.get("id"), str) and isinstance(split.get("stages"), list)
+    stages = split.get("stages") if isinstance(split, dict) else None
+    ok = ok and bool(stages) and all(
+        isinstance(s, dict) and s.get("index") == i and isinstance(s.get("dir"), str)
+        and isinstance(s.get("layers"), list) for i, s in enumerate(stages or []))
+    if not ok:
+        raise RuntimeInputError(f"{where}: 'split' must give the conversion's id and its stages in order, each with "
+                                "its folder and layers (damaged: convert again)")
+
+
 def check_confined(model_dir: Path, manifest: dict) -> None:
     """Every graph and file a (check_manifest-checked) manifest names lies inside `model_dir`: an absolute
     or ../ entry would have the runtime run, or qwen2om read, a file from elsewhere."""
     root = Path(model_dir).resolve()
-    names = {spec["file"] for spec in manifest["graphs"].values()} | {f["name"] for f in manifest.get("files", [])}
+    names = {spec["file"] for spec in manifest.get("graphs", {}).values()}
+    names |= {f["name"] for f in manifest.get("files", [])}
+    names |= {s["dir"] for s in manifest.get("split", {}).get("stages", [])}
     for name in sorted(names):
         if not (root / name).resolve().is_relative_to(root):
             raise RuntimeInputError(f"{model_dir}/manifest.json names {printable(repr(name))}, outside {model_dir}: "
@@ -154,7 +170,7 @@ def check_files(model_dir: Path, manifest: dict, *, hashes: bool = False) -> Non
     replaced file lacks; `hashes` checks it like any other file."""
     check_manifest(model_dir, manifest)
     check_confined(model_dir, manifest)
-    graphs = {spec["file"] for spec in manifest["graphs"].values()}
+    graphs = {spec["file"] for spec in manifest.get("graphs", {}).values()}
     for name in sorted(graphs):
         path = model_dir / name
         if not path.exists():
@@ -406,6 +422,7 @@ class _Graph:
                 (binding.bind_ortvalue_input if name in inputs else binding.bind_ortvalue_output)(name, value)
             self.views[t], self.bindings[t] = views, binding
         self.buffers = self.views[self.gears[-1]]
+        self.head = spec["outputs"][0]["name"]  # logits; a pipeline stage before the last: its hidden states
         # A shared cache already holds the new token: the kernel wrote it into its slot, the one `append`
         # would copy the present output to (tests/test_fuse_attention.py checks that slot), so skip it.
         self.presents = [(io["name"], caches[past]) for io, past in cache_targets(spec)
@@ -421,7 +438,7 @@ class _Graph:
             raise RuntimeInputError(f"{t} tokens is not a gear of this graph ({', '.join(map(str, self.gears))})")
         self.session.run_with_iobinding(self.bindings[t])
         self.t = t
-        return self.views[t]["logits"]
+        return self.views[t][self.head]
 
     def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy each write's new K/V `(row, first real token, cache position, count)` into the caches."""
@@ -452,7 +469,8 @@ ACL_MEM_MALLOC_HUGE_FIRST = 0
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_DYNAMIC_TENSOR_NAME = "ascend_mbatch_shape_data"
-STAGED_ROLES = ("ids", "positions", "mask")  # written by the host before every call
+STAGED_ROLES = ("ids", "positions", "mask", "hidden_in")  # written by the host before every call
+HEAD_ROLES = ("logits", "hidden_out")  # what a call returns to the host: logits, or a stage's hidden states
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
@@ -572,7 +590,7 @@ class _AclGraph:
             self.ptr[io["name"]] = dev.malloc(size)
             outs.append((self.ptr[io["name"]], size))
         self.inputs_ds, self.outputs_ds = dev.dataset(ins), dev.dataset(outs)
-        self.logits_io = next(io for io in spec["outputs"] if io["role"] == "logits")
+        self.logits_io = next(io for io in spec["outputs"] if io["role"] in HEAD_ROLES)
         self.logits = np.zeros(self.logits_io["shape"], dtype=self.logits_io["dtype"]).reshape(-1)
         self.presents = [(io, self.ptr[io["name"]], shared[past], self.specs[past]) for io, past in cache_targets(spec)]
         # Hybrids: each updated state output, the shared device state it replaces, its bytes and batch.
@@ -618,7 +636,8 @@ class _AclGraph:
         self.t = t
         s = shape_at(self.logits_io, t, self.tokens)
         logits = self.logits[:int(np.prod(s))].reshape(s)
-        dev.copy(logits.ctypes.data, logits.nbytes, self.ptr["logits"], logits.nbytes, ACL_MEMCPY_DEVICE_TO_HOST)
+        dev.copy(logits.ctypes.data, logits.nbytes, self.ptr[self.logits_io["name"]], logits.nbytes,
+                 ACL_MEMCPY_DEVICE_TO_HOST)
         return logits
 
     def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
@@ -1018,6 +1037,95 @@ class ChatTemplate:
                                     f"{one_line(str(e))})") from None
 
 
+# -- pipeline stages (convert --stages) ------------------------------------------------------------
+SHARED_INPUTS = ("attention_mask", "position_ids")  # every stage takes the call's own mask and positions
+
+
+def open_stages(model_dir: Path, manifest: dict, *, check_hashes: bool = False) -> list[tuple[Path, dict]]:
+    """Each stage's folder and manifest, in order: [(OUT, manifest)] for an unstaged OUT. A stage that is
+    missing, damaged, or from another conversion (its split id or layers differ from OUT's) is named."""
+    split = manifest.get("split")
+    if split is None:
+        return [(model_dir, manifest)]
+    out = []
+    for entry in split["stages"]:
+        folder = model_dir / entry["dir"]
+        a, b = entry["layers"]
+        what = f"stage {entry['index']} (layers {a}-{b - 1}, {folder})"
+        if not (folder / "manifest.json").is_file():
+            raise RuntimeInputError(f"{what} is missing: convert it (`convert ... --stages {split['count']} "
+                                    f"--only-stage {entry['index']}`) or copy its folder from the host that did")
+        m = load_manifest(folder)
+        check_files(folder, m, hashes=check_hashes)
+        theirs = m.get("stage") if isinstance(m.get("stage"), dict) else {}
+        if theirs.get("id") != split["id"] or theirs.get("layers") != entry["layers"]:
+            raise RuntimeInputError(f"{what} is from another conversion: its split id is {theirs.get('id')!r} "
+                                    f"(layers {theirs.get('layers')}), {model_dir}'s is {split['id']!r}; convert "
+                                    "every stage with the same command and --stages")
+        out.append((folder, m))
+    return out
+
+
+class _Chain:
+    """A staged model's graphs of one kind, run stage after stage in this process: the first stage's
+    inputs are the call's; each later stage gets the same mask and positions and the hidden states the
+    stage before it returned; the last returns the logits."""
+
+    def __init__(self, stages: Sequence[GraphCall]) -> None:
+        self.stages = list(stages)
+        self.tokens, self.gears = self.stages[0].tokens, self.stages[0].gears
+
+    def inputs(self, t: int) -> dict[str, np.ndarray]:
+        return self.stages[0].inputs(t)
+
+    def run(self, t: int) -> np.ndarray:
+        first = self.stages[0].inputs(t)
+        out = self.stages[0].run(t)
+        for g in self.stages[1:]:
+            ins = g.inputs(t)
+            for name in SHARED_INPUTS:
+                np.copyto(ins[name], first[name])
+            np.copyto(ins["hidden_in"], out)
+            out = g.run(t)
+        return out
+
+    def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
+        for g in self.stages:
+            g.append(writes)
+
+    def clear_states(self) -> None:
+        for g in self.stages:
+            g.clear_states()
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        for g in self.stages:
+            if name in getattr(g, "states", {}):
+                g.write_state(name, value)
+
+
+def chained(stages: Sequence[dict[str, GraphCall]]) -> dict[str, GraphCall]:
+    """Each graph kind across the stages: the graph itself for one stage, else a _Chain of them."""
+    if len(stages) == 1:
+        return dict(stages[0])
+    for k, graphs in enumerate(stages[1:], 1):
+        for kind, g in graphs.items():
+            if g.gears != stages[0][kind].gears:
+                raise RuntimeInputError(f"stage {k}'s {kind} graph takes gears {g.gears}, stage 0's "
+                                        f"{stages[0][kind].gears}: its stages are from different conversions")
+    return {kind: _Chain([graphs[kind] for graphs in stages]) for kind in stages[0]}
+
+
+def open_distributed(how: str, engine: Engine, **kwargs: Any) -> tuple[dict[str, GraphCall], Callable[[], None]]:
+    """The graphs of a staged OUT run by one worker per stage (`how`: "ray")."""
+    if how != "ray":
+        raise BackendError(f"unknown --distributed {how!r} (known: ray)")
+    return open_ray(engine, **kwargs)
+
+
+def open_ray(engine: Engine, **kwargs: Any) -> tuple[dict[str, GraphCall], Callable[[], None]]:
+    raise BackendError("--distributed ray is not available yet")
+
+
 class Engine:
     """A compiled qwen2om model with its KV cache, tokenizer and generation loop.
 
@@ -1025,7 +1133,11 @@ class Engine:
     .om files in OUT/ascend/). Close the engine, or use it as a context manager, to free the NPU."""
 
     def __init__(self, model_dir: str | Path, *, threads: int = 0, providers: Sequence[str] = (),
-                 backend: str = "ort", device: int = 0, check_hashes: bool = False) -> None:
+                 backend: str = "ort", device: int = 0, check_hashes: bool = False,
+                 devices: Sequence[int] | None = None, distributed: str | None = None,
+                 address: str | None = None) -> None:
+        """`devices`: a staged OUT's NPU per stage (--backend acl; default `device`, `device`+1, …).
+        `distributed="ray"`: one Ray actor per stage (`address`: a running cluster; default a local one)."""
         self.dir = Path(model_dir)
         if backend not in ("ort", "acl"):
             raise BackendError(f"unknown backend {backend!r} (known: ort, acl)")
@@ -1049,18 +1161,44 @@ class Engine:
             raise RuntimeInputError(f"{self.dir / 'tokenizer.json'}: not a tokenizer the tokenizers library can "
                                     f"read ({printable(str(e))})") from None
         self.lengths = np.zeros(self.batch, dtype=np.int64)
-        specs = self.manifest["graphs"]
-        first = next(iter(specs.values()))
+        # A staged OUT (convert --stages) runs its stages in order, each from its own folder; an unstaged
+        # one is a single stage, OUT itself.
+        self.stages = open_stages(self.dir, self.manifest, check_hashes=check_hashes or backend == "ort")
+        firsts = [next(iter(m["graphs"].values())) for _, m in self.stages]
         # Scale inputs (`scales: inputs`): loaded once, fed to every call of every graph.
-        scales = load_scales(self.dir, first["inputs"])
+        scales = [load_scales(d, first["inputs"]) for (d, _), first in zip(self.stages, firsts, strict=True)]
         self._release: Callable[[], None] = lambda: None
         # The host KV cache of the ONNX Runtime backend; the ACL backend keeps its cache on the NPU.
         self.caches: dict[str, np.ndarray] = {}
         self.graphs: dict[str, GraphCall]
         # Linear-attention state inputs (hybrids), by name: zeroed and copied back by the graphs.
-        self.state_specs: dict[str, dict] = {io["name"]: io for io in first["inputs"] if io["role"] in STATE_ROLES}
+        self.state_specs: dict[str, dict] = {io["name"]: io for first in firsts for io in first["inputs"]
+                                             if io["role"] in STATE_ROLES}
+        if distributed is not None:
+            self.graphs, self._release = open_distributed(distributed, self, address=address, threads=threads,
+                                                          providers=providers, backend=backend,
+                                                          devices=devices or [device])
+            return
         if backend == "acl":
-            self.graphs, self._release = open_acl(self.dir, specs, scales, device)
+            devices = list(devices or [device + k for k in range(len(self.stages))])
+            if len(devices) != len(self.stages):
+                raise BackendError(f"--devices names {len(devices)} NPUs for {len(self.stages)} stages: give one per "
+                                   "stage, in stage order")
+            opened = []
+            try:
+                for (d, m), sc, dev_id in zip(self.stages, scales, devices, strict=True):
+                    opened.append(open_acl(d, m["graphs"], sc, dev_id))
+            except BaseException:
+                for _, release in reversed(opened):
+                    release()
+                raise
+            self.graphs = chained([g for g, _ in opened])
+
+            def release_all() -> None:
+                for _, release in reversed(opened):
+                    release()
+
+            self._release = release_all
             return
         options = ort.SessionOptions()
         # Errors only: ONNX Runtime's load-time notes (e.g. "could not find a CPU kernel and hence can't
@@ -1074,11 +1212,13 @@ class Engine:
         threads = threads or int(os.environ.get("QWEN2OM_THREADS") or 0)
         if threads:
             options.intra_op_num_threads = threads
-        self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
-                       if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
-        self.caches.update(scales)
+        self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for first in firsts
+                       for io in first["inputs"] if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
+        for sc in scales:
+            self.caches.update(sc)
         prov = list(providers) or ["CPUExecutionProvider"]
-        self.graphs = {kind: _Graph(self.dir / s["file"], s, self.caches, options, prov) for kind, s in specs.items()}
+        self.graphs = chained([{kind: _Graph(d / s["file"], s, self.caches, options, prov)
+                                for kind, s in m["graphs"].items()} for d, m in self.stages])
 
     def close(self) -> None:
         """Release the backend's resources (the NPU's buffers, models and device); idempotent."""
