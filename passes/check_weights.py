@@ -19,7 +19,10 @@ class CheckWeights:
     def __call__(self, state: ConvertState, ctx: RunContext) -> PassResult:
         ckpt = state.checkpoint
         names = set(expected_tensors(ckpt.arch, ckpt.dims)) | set(ckpt.names())  # quantised: their scales too
-        hashes = ckpt.scan(names, workers=ctx.workers,
+        staged = ctx.stage is not None and ctx.stage.count > 1
+        if staged:  # a pipeline stage reads, hashes and checks only the shards of its own tensors
+            names = {n for n in names if ctx.stage.holds(n, ckpt.dims.tied)}  # type: ignore[union-attr]
+        hashes = ckpt.scan(names, workers=ctx.workers, only=staged,
                            progress=lambda done, total: ctx.progress("reading shards", done, total, unit="bytes"))
         ctx.journal.check_sources(hashes)
         state.source_hashes = hashes

@@ -10,7 +10,11 @@ norm):
         becomes
     y, _, _, s = SkipSimplifiedLayerNormalization(a, b, w; epsilon)
 
-one pass over the hidden state instead of two, and two nodes fewer per layer. Only the exact fp32
+one pass over the hidden state instead of two, and two nodes fewer per layer. A pipeline stage's first
+norm reads the stage's `hidden_in` input, which the stage before computed with the Add: it becomes
+SkipSimplifiedLayerNormalization(hidden_in, 0), so that a staged model runs the same kernel on the same
+sum as the unstaged one and gives bit-identical logits (SimplifiedLayerNormalization rounds differently).
+Only the exact fp32
 pattern is rewritten (Pow, ReduceMean, Add ε, Sqrt, Div, Mul w); anything else (fp16 graphs, whose
 statistics go through Casts, or the hybrids' zero-centred norms) is left to ONNX Runtime's own fusion.
 """
@@ -70,9 +74,12 @@ class FuseNorm:
         pow_, mean, add_eps, sqrt, div, mul = nodes
         s = pow_.inputs[0]
         residual = s.producer() if s is not None else None
-        if residual is None or residual.op_type != "Add" or residual.domain not in ("", "ai.onnx"):
+        if s is not None and residual is None and s.is_graph_input() and s.dtype == ir.DataType.FLOAT:
+            a, b = s, zeros_like(graph, s, pow_, scope)  # a stage's hidden_in: the sum the stage before made
+        elif residual is None or residual.op_type != "Add" or residual.domain not in ("", "ai.onnx"):
             return False
-        a, b = residual.inputs
+        else:
+            a, b = residual.inputs
         if a is None or b is None or a.shape != b.shape or a.dtype != ir.DataType.FLOAT:
             return False  # a broadcasting Add is not a residual; fp16 goes through Casts and never gets here
         weight = next((v for v in mul.inputs if v is not None and v.is_initializer()), None)
@@ -80,7 +87,7 @@ class FuseNorm:
         if (scalar(pow_.inputs[1]) != 2.0 or div.inputs[0] is not s or weight is None or eps is None
                 or mean.inputs[0] is not pow_.outputs[0] or sqrt.inputs[0] is not add_eps.outputs[0]):
             return False
-        out, total = mul.outputs[0], residual.outputs[0]
+        out, total = mul.outputs[0], residual.outputs[0] if residual is not None else s
         if total.is_graph_output() or out.is_graph_output():  # a graph output keeps its producer and name
             return False
         outputs = [ir.Value(name=f"{out.name}_skipnorm", type=out.type, shape=out.shape),
@@ -91,7 +98,19 @@ class FuseNorm:
                         name=f"{scope}/SkipSimplifiedLayerNormalization")
         graph.insert_before(pow_, fused)
         out.replace_all_uses_with(outputs[0])
-        total.replace_all_uses_with(outputs[3])
-        for n in reversed([residual, *nodes]):
+        if residual is not None:
+            total.replace_all_uses_with(outputs[3])
+        for n in reversed([*([residual] if residual is not None else []), *nodes]):
             graph.remove(n, safe=True)
         return True
+
+
+def zeros_like(graph: ir.Graph, x: ir.Value, before: ir.Node, scope: str) -> ir.Value:
+    """0 shaped as `x` (float32), computed in the graph: a gears graph's token axis is symbolic."""
+    shape = ir.Node("", "Shape", [x], outputs=[ir.Value(name=f"{scope}/zero_skip_shape")], name=f"{scope}/Shape")
+    zero = ir.tensor(np.zeros(1, np.float32))
+    fill = ir.Node("", "ConstantOfShape", [shape.outputs[0]], [ir.AttrTensor("value", zero)],
+                   outputs=[ir.Value(name=f"{scope}/zero_skip", type=x.type, shape=x.shape)],
+                   name=f"{scope}/ConstantOfShape")
+    graph.insert_before(before, [shape, fill])
+    return fill.outputs[0]

@@ -365,11 +365,13 @@ class Checkpoint:
                                       f"{d.conv_kernel}")
 
     def scan(self, names: set[str], *, workers: int = 1,
-             progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
+             progress: Callable[[int, int], None] = lambda done, total: None, only: bool = False) -> dict[str, str]:
         """Read every shard once, start to end: its sha256, and a NaN/Inf check of the float tensors
-        in `names`. Shards are independent, so `workers` of them are read at the same time.
+        in `names`. Shards are independent, so `workers` of them are read at the same time. With `only`,
+        just the shards that hold `names` (a pipeline stage reads its own layers' shards).
         Raises naming the tensor; returns {shard path relative to the checkpoint: sha256}."""
-        total = sum(p.stat().st_size for p in self.shards)
+        shards = sorted({self._shard(n) for n in names if n in self._where}) if only else self.shards
+        total = sum(p.stat().st_size for p in shards)
         done = 0
 
         def bytes_read(n: int) -> None:
@@ -379,8 +381,8 @@ class Checkpoint:
 
         names = {self.stored_name(n) for n in names}
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            hashes = list(pool.map(lambda p: self._scan_shard(p, names, bytes_read), self.shards))
-        return {str(p.relative_to(self.root)): h for p, h in zip(self.shards, hashes, strict=True)}
+            hashes = list(pool.map(lambda p: self._scan_shard(p, names, bytes_read), shards))
+        return {str(p.relative_to(self.root)): h for p, h in zip(shards, hashes, strict=True)}
 
     def _scan_shard(self, path: Path, names: set[str], bytes_read: Callable[[int], None]) -> str:
         shard = self._open(path)

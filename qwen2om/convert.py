@@ -255,8 +255,11 @@ def source_entries(source: Path, ckpt: Any, state: ConvertState) -> list[dict[st
     """Every file read, with its hash; shards were hashed by check_weights, so not read twice."""
     hashed = state.source_hashes or {}
     entries = []
+    staged = len(hashed) < len(ckpt.shards)  # a pipeline stage: only the shards it read
     for p in sorted(ckpt.files):
         name = str(p.relative_to(source))
+        if staged and p in ckpt.shards and name not in hashed:
+            continue
         sha = hashed.get(name) or file_entries(source, [p])[0]["sha256"]
         entries.append({"name": name, "bytes": p.stat().st_size, "sha256": sha})
     return entries

@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from qwen2om.errors import RecipeError
 
 STAGES_DIR = "stages"
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,15 @@ class Stage:
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "count": self.count, "layers": [self.start, self.stop], "dir": self.dirname}
+
+    def holds(self, name: str, tied: bool) -> bool:
+        """Whether checkpoint tensor `name` (canonical: model.layers.N.…) is read by this stage: its
+        layers' tensors, the embedding in the first (and in the last when tied), the rest in the last."""
+        if m := LAYER.match(name):
+            return int(m.group(1)) in self.layers
+        if name.startswith("model.embed_tokens."):
+            return self.first or (tied and self.last)
+        return self.last
 
     @classmethod
     def whole(cls, layers: int) -> Stage:
