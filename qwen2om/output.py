@@ -57,6 +57,11 @@ def owned_files(out: Path, marker: str) -> set[str] | None:
         if marker == MANIFEST:
             ours = "format_version" in data and "qwen2om" in data["tools"]
             listed = {f["name"] for f in data["files"]}
+            for stage in data.get("split", {}).get("stages", []):  # a staged OUT: each stage lists its own
+                own = owned_files(out / stage["dir"], marker) if (out / stage["dir"] / marker).is_file() else set()
+                if own is None:
+                    return None
+                listed |= {f"{stage['dir']}/{name}" for name in own}
         else:
             ours = data.get("written_by") == "qwen2om"
             listed = set(data[REPORT_FILES])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +12,8 @@ from pathlib import Path
 import pytest
 
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
+# llm-compressor's W4A16 output for builtin:tiny-qwen3 (bench/llmcompressor_w4a16.py), embedding left out.
+LLMCOMPRESSOR_W4A16 = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "llmcompressor-tiny-qwen3-w4a16"
 
 # Fixtures that convert or calibrate a whole model: a test that takes one belongs to the full lane
 # (`slow`), whatever its own body costs, because in `make test-fast` it would pay for the fixture.
@@ -77,3 +81,28 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str
         return code, captured.out, captured.err
 
     return invoke
+
+
+@pytest.fixture(scope="session")
+def llmcompressor_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llm-compressor's output, with the embedding (left out of the repository) put back from the builtin."""
+    from safetensors.torch import save_file
+
+    from qwen2om.builtin import resolve_model
+    from qwen2om.checkpoint import Checkpoint
+
+    src = resolve_model("builtin:tiny-qwen3")
+    out = tmp_path_factory.mktemp("llmc") / "ckpt"
+    out.mkdir()
+    for name in ("config.json", "layers.safetensors"):
+        shutil.copyfile(LLMCOMPRESSOR_W4A16 / name, out / name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(src / name, out / name)
+    save_file({"model.embed_tokens.weight": Checkpoint(src).get("model.embed_tokens.weight")},
+              str(out / "embed.safetensors"), metadata={"format": "pt"})
+    from qwen2om.safetensors_io import Shard
+
+    weight_map = {n: "layers.safetensors" for n in Shard(out / "layers.safetensors").tensors}
+    weight_map["model.embed_tokens.weight"] = "embed.safetensors"
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out

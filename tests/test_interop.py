@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,31 +9,6 @@ import pytest
 import torch
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "data" / "llmcompressor-tiny-qwen3-w4a16"
-
-
-@pytest.fixture(scope="module")
-def llmcompressor_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """llm-compressor's output, with the embedding (left out of the repository) put back from the builtin."""
-    from safetensors.torch import save_file
-
-    from qwen2om.builtin import resolve_model
-    from qwen2om.checkpoint import Checkpoint
-
-    src = resolve_model("builtin:tiny-qwen3")
-    out = tmp_path_factory.mktemp("llmc") / "ckpt"
-    out.mkdir()
-    for name in ("config.json", "layers.safetensors"):
-        shutil.copyfile(FIXTURE / name, out / name)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(src / name, out / name)
-    save_file({"model.embed_tokens.weight": Checkpoint(src).get("model.embed_tokens.weight")},
-              str(out / "embed.safetensors"), metadata={"format": "pt"})
-    from qwen2om.safetensors_io import Shard
-
-    weight_map = {n: "layers.safetensors" for n in Shard(out / "layers.safetensors").tensors}
-    weight_map["model.embed_tokens.weight"] = "embed.safetensors"
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return out
 
 
 def test_llmcompressor_checkpoint_converts_and_matches_its_exact_dequantisation(llmcompressor_ckpt, tmp_path) -> None:

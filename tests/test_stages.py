@@ -14,7 +14,7 @@ import pytest
 from qwen2om.errors import RecipeError
 from qwen2om.stages import fewest_stages, split_layers, stage_totals
 
-W4A16 = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "llmcompressor-tiny-qwen3-w4a16"
+W4A16 = "w4a16"  # the llmcompressor_ckpt fixture: llm-compressor's W4A16 output for tiny-qwen3 (two shards)
 PROMPT = [9707, 11, 1879, 0, 576, 3974, 13876, 38835, 43, 11, 323, 279, 1156, 220, 17, 13]  # 16 tokens: 1 chunk + 1
 SMALL = ["max_seq_len=64", "prefill_chunk=8"]
 
@@ -102,12 +102,15 @@ CASES = [
     ("builtin:tiny-qwen3-moe", 2),
     ("builtin:tiny-qwen3-5", 3),  # linear, linear | linear | full: states and caches in different stages
     ("builtin:tiny-qwen3-fp8", 2),  # FP8 weights, scale inputs per stage
-    (str(W4A16), 2),  # W4A16 (compressed-tensors)
+    (W4A16, 2),  # W4A16 (compressed-tensors)
 ]
 
 
-@pytest.mark.parametrize(("model", "stages"), CASES, ids=[f"{Path(m).name}-{k}" for m, k in CASES])
-def test_staged_logits_equal_the_unstaged(outs: Callable[..., Path], model: str, stages: int) -> None:
+@pytest.mark.parametrize(("model", "stages"), CASES, ids=[f"{m.removeprefix('builtin:')}-{k}" for m, k in CASES])
+def test_staged_logits_equal_the_unstaged(outs: Callable[..., Path], model: str, stages: int,
+                                          request: pytest.FixtureRequest) -> None:
+    if model == W4A16:
+        model = str(request.getfixturevalue("llmcompressor_ckpt"))
     whole, staged = outs(model, 0), outs(model, stages)
     want, want_tokens = logits_of(whole)
     got, got_tokens = logits_of(staged)

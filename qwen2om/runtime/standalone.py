@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -1037,13 +1038,50 @@ class ChatTemplate:
                                     f"{one_line(str(e))})") from None
 
 
+def ort_options(runtime: dict, threads: int = 0) -> ort.SessionOptions:
+    """ONNX Runtime session options for a model with manifest `runtime` section; `threads` 0: $QWEN2OM_THREADS,
+    else ONNX Runtime's default (all cores)."""
+    options = ort.SessionOptions()
+    # Errors only: ONNX Runtime's load-time notes (e.g. "could not find a CPU kernel and hence can't
+    # constant fold" for each layer of an int8-weight graph) are not the user's to act on.
+    options.log_severity_level = 3
+    # Without prepacking, ONNX Runtime reads MatMul weights from the memory-mapped data file:
+    # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
+    if not runtime.get("prepack_weights"):  # int4 models need prepacking: MatMulNBits is slow without it
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    # QWEN2OM_THREADS sets the default for every engine at once (CI runs the numerics tests on 1 thread).
+    threads = threads or int(os.environ.get("QWEN2OM_THREADS") or 0)
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
+
+
+def open_ort_graphs(folder: Path, manifest: dict, threads: int = 0, providers: Sequence[str] = (),
+                    scales: dict[str, np.ndarray] | None = None,
+                    ) -> tuple[dict[str, GraphCall], dict[str, np.ndarray]]:
+    """One ONNX Runtime session per graph of the (checked) output directory or stage `folder`, all bound
+    to one set of host buffers: the KV caches and linear-attention states (zeroed) and the scale inputs
+    (`scales`, else read from its scales.safetensors). Returns the graphs and those buffers, by name."""
+    first = next(iter(manifest["graphs"].values()))
+    caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for io in first["inputs"]
+              if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
+    caches.update(load_scales(folder, first["inputs"]) if scales is None else scales)
+    options = ort_options(manifest["runtime"], threads)
+    prov = list(providers) or ["CPUExecutionProvider"]
+    graphs: dict[str, GraphCall] = {kind: _Graph(folder / s["file"], s, caches, options, prov)
+                                    for kind, s in manifest["graphs"].items()}
+    return graphs, caches
+
+
 # -- pipeline stages (convert --stages) ------------------------------------------------------------
 SHARED_INPUTS = ("attention_mask", "position_ids")  # every stage takes the call's own mask and positions
 
 
-def open_stages(model_dir: Path, manifest: dict, *, check_hashes: bool = False) -> list[tuple[Path, dict]]:
+def open_stages(model_dir: Path, manifest: dict, *, check: bool = True, hashes: bool = False,
+                ) -> list[tuple[Path, dict]]:
     """Each stage's folder and manifest, in order: [(OUT, manifest)] for an unstaged OUT. A stage that is
-    missing, damaged, or from another conversion (its split id or layers differ from OUT's) is named."""
+    missing, damaged (its files checked as check_files does, when `check`), or from another conversion
+    (its split id or layers differ from OUT's) is named."""
     split = manifest.get("split")
     if split is None:
         return [(model_dir, manifest)]
@@ -1056,7 +1094,10 @@ def open_stages(model_dir: Path, manifest: dict, *, check_hashes: bool = False) 
             raise RuntimeInputError(f"{what} is missing: convert it (`convert ... --stages {split['count']} "
                                     f"--only-stage {entry['index']}`) or copy its folder from the host that did")
         m = load_manifest(folder)
-        check_files(folder, m, hashes=check_hashes)
+        if check:
+            check_files(folder, m, hashes=hashes)
+        else:
+            check_manifest(folder, m)
         theirs = m.get("stage") if isinstance(m.get("stage"), dict) else {}
         if theirs.get("id") != split["id"] or theirs.get("layers") != entry["layers"]:
             raise RuntimeInputError(f"{what} is from another conversion: its split id is {theirs.get('id')!r} "
@@ -1122,8 +1163,362 @@ def open_distributed(how: str, engine: Engine, **kwargs: Any) -> tuple[dict[str,
     return open_ray(engine, **kwargs)
 
 
-def open_ray(engine: Engine, **kwargs: Any) -> tuple[dict[str, GraphCall], Callable[[], None]]:
-    raise BackendError("--distributed ray is not available yet")
+# -- Ray (--distributed ray): one actor per stage ------------------------------------------------
+# ray.init retries for ever against an address where nothing answers as Ray (a wrong port, a cluster
+# with token authentication and no token here), so it runs in a thread that is given up on after this
+# many seconds ($QWEN2OM_RAY_CONNECT_TIMEOUT).
+RAY_CONNECT_SECONDS = 30.0
+# Seconds the actors may take to load their stages, and one call to pass every stage, before the stage
+# that has not answered is reported ($QWEN2OM_RAY_CALL_TIMEOUT). A dead actor is reported at once.
+RAY_CALL_SECONDS = 600.0
+RAY_EXTRA = "pip install 'qwen2om[ray]'"
+# A call's mask and positions up to this size go inside each stage's task (a decode step's: ~1 KB); larger
+# ones (a prefill chunk's mask) are put in Ray's object store once for all stages. ray.put costs about as
+# much as a task round trip (~1.3 ms on 2 cores), so a small mask is cheaper copied than stored.
+RAY_INLINE_BYTES = 64 * 1024
+# This process's use of Ray: whether an engine started it (a local cluster, shut down by the last engine
+# to close), and how many open engines have actors in it.
+_ray_use = {"started": False, "engines": 0}
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise BackendError(f"--distributed ray needs Ray, which is not installed here ({e}): {RAY_EXTRA} "
+                           "(beside OUT/run.py alone: pip install ray)") from None
+    return ray
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise RuntimeInputError(f"${name}={printable(raw)!r}: give a number of seconds > 0")
+    return value
+
+
+def check_reachable(address: str, seconds: float) -> None:
+    """Fail at once when nothing listens at `address` (HOST:PORT, or ray://HOST:PORT): ray.init would
+    keep retrying. "auto" (the cluster `ray start` left on this host) is left to Ray to find."""
+    if address == "auto":
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BackendError(f"--address {printable(address)!r}: give the head node's HOST:PORT (the --port of "
+                           "`ray start --head`, 6379 by default), or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(seconds, 10.0)).close()
+    except OSError as e:
+        raise BackendError(f"--address {printable(address)}: no Ray cluster answers there ({e.strerror or e}); start "
+                           f"its head with `ray start --head --port {port}`, or check the host and port") from None
+
+
+def ray_connect(ray: Any, address: str | None, cpus: int, seconds: float) -> bool:
+    """Connect this process to Ray: the cluster at `address`, else a quiet local one with `cpus` CPUs.
+    Returns whether it started Ray (then it is ours to shut down); an initialised Ray is used as it is."""
+    if ray.is_initialized():
+        return False
+    import logging
+
+    if address is None:
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR)
+        except Exception as e:
+            raise BackendError(f"cannot start a local Ray cluster: {one_line(str(e) or type(e).__name__)}") from None
+        return True
+    check_reachable(address, seconds)
+    outcome: dict[str, BaseException] = {}
+
+    def connect() -> None:
+        # A thread: it never returns when the address does not answer as Ray. Only a connection is made
+        # here, no process started (Ray's processes die with the thread that started them).
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, name="qwen2om-ray-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise BackendError(f"--address {printable(address)}: no Ray cluster answered within {seconds:g} s "
+                           "($QWEN2OM_RAY_CONNECT_TIMEOUT). Is it the port of `ray start --head` (its GCS port)? "
+                           "A cluster with token authentication also needs RAY_AUTH_MODE=token and its token here")
+    if "error" in outcome:
+        e = outcome["error"]
+        raise BackendError(f"--address {printable(address)}: cannot connect to the Ray cluster "
+                           f"({one_line(str(e) or type(e).__name__)})") from None
+    return False
+
+
+class StageActor:
+    """One stage of a staged OUT in a Ray actor (`ray.remote(StageActor)`): its graphs, KV caches,
+    linear-attention states and scale inputs are loaded here and stay here. Each task first applies the
+    appends of the call before it (`pending`), so a decode step costs one task per stage. A failure to
+    load is kept and raised by `describe`, so the driver reports that error, not a dead actor."""
+
+    def __init__(self, folder: str, threads: int, providers: Sequence[str], backend: str, device: int) -> None:
+        self.graphs: dict[str, GraphCall] = {}
+        self.release: Callable[[], None] = lambda: None
+        self.error: Exception | None = None
+        self.entry = "input_ids"
+        try:
+            path = Path(folder)
+            manifest = load_manifest(path)
+            check_manifest(path, manifest)
+            if backend == "acl":
+                first = next(iter(manifest["graphs"].values()))
+                scales = load_scales(path, first["inputs"])
+                self.graphs, self.release = open_acl(path, manifest["graphs"], scales, device)
+            else:
+                check_files(path, manifest)  # this host's copy of the stage, as the driver checked its own
+                self.graphs, _ = open_ort_graphs(path, manifest, threads, providers)
+            g = next(iter(self.graphs.values()))
+            self.entry = "hidden_in" if "hidden_in" in g.inputs(g.gears[-1]) else "input_ids"
+        except Exception as e:
+            self.error = e
+
+    def describe(self) -> dict[str, Any]:
+        """Where this actor runs, and its graphs' token counts and gears."""
+        if self.error is not None:
+            raise self.error
+        import ray
+
+        return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
+                "graphs": {kind: [g.tokens, list(g.gears)] for kind, g in self.graphs.items()}}
+
+    def apply(self, pending: tuple[str, list] | None) -> None:
+        if pending is not None:
+            kind, writes = pending
+            self.graphs[kind].append(writes)
+
+    def call(self, pending: tuple[str, list] | None, kind: str, t: int, shared: dict[str, np.ndarray],
+             x: np.ndarray) -> np.ndarray:
+        """This stage's part of one call: `x` is the token ids (stage 0) or the hidden states of the stage
+        before; returns its hidden states, or (last stage) the logits."""
+        self.apply(pending)
+        g = self.graphs[kind]
+        ins = g.inputs(t)
+        for name, value in shared.items():
+            np.copyto(ins[name], value)
+        np.copyto(ins[self.entry], x)
+        return g.run(t)  # a view of the output buffer: Ray serialises it as the task returns
+
+    def append(self, pending: tuple[str, list] | None) -> None:
+        self.apply(pending)
+
+    def clear_states(self, pending: tuple[str, list] | None) -> None:
+        self.apply(pending)
+        for g in self.graphs.values():
+            g.clear_states()
+
+    def write_state(self, pending: tuple[str, list] | None, name: str, value: np.ndarray) -> None:
+        self.apply(pending)
+        owner = next((g for g in self.graphs.values() if name in getattr(g, "states", {})), None)
+        if owner is not None:  # the graphs of a stage share its states: one write is enough
+            owner.write_state(name, value)
+
+    def close(self) -> None:
+        release, self.release = self.release, lambda: None
+        release()
+
+
+@dataclasses.dataclass
+class StagePlace:
+    """One stage's actor, as messages name it: its layers, and the host it runs on once known."""
+
+    index: int
+    layers: tuple[int, int]
+    host: str = ""
+    ip: str = ""
+    pid: int = 0
+    node: str = ""
+
+    def __str__(self) -> str:
+        a, b = self.layers
+        where = f" on host {self.host} ({self.ip}, pid {self.pid})" if self.host else ""
+        return f"stage {self.index} (layers {a}-{b - 1}){where}"
+
+
+def ray_reason(e: BaseException) -> str:
+    """Ray's account of a failure, on one line: a task's own exception, or why an actor died."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return one_line(str(cause) or type(cause).__name__, 400)
+    lines = [ln for ln in str(e).splitlines() if ln.strip() and not ln.startswith("\t")
+             and ln != getattr(type(e), "BASE_ERROR_MSG", None)]
+    return one_line(" ".join(lines) or type(e).__name__, 400)
+
+
+class _RayStages:
+    """The driver's side of the stage actors: each call sent down the pipeline (stage k's output, an
+    ObjectRef, is stage k+1's input: Ray's object store carries the hidden states), appends, resets and
+    state writes to every actor. Ray runs one caller's tasks on an actor in the order they were sent, so
+    appends ride with the next task; errors of tasks nobody waits for are reported by the next call."""
+
+    def __init__(self, ray: Any, actors: list[Any], places: list[StagePlace], seconds: float) -> None:
+        self.ray, self.actors, self.places, self.seconds = ray, actors, places, seconds
+        self.pending: tuple[str, list] | None = None  # the last call's appends, sent with the next task
+        self.unchecked: list[tuple[int, Any]] = []  # (stage, ObjectRef) of tasks not waited for yet
+        self.closed = False
+
+    def call(self, kind: str, t: int, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        pending, self.pending = self.pending, None
+        shared: Any = {name: inputs[name] for name in SHARED_INPUTS}
+        if sum(v.nbytes for v in shared.values()) > RAY_INLINE_BYTES:  # a prefill's mask: stored once for all stages
+            shared = self.ray.put(shared)
+        x, refs = inputs["input_ids"], []
+        for k, actor in enumerate(self.actors):
+            x = actor.call.remote(pending, kind, t, shared, x)
+            refs.append((k, x))
+        unchecked, self.unchecked = self.unchecked, []
+        return self.get([*unchecked, *refs], "answer")[-1]
+
+    def broadcast(self, method: str, *args: Any) -> None:
+        pending, self.pending = self.pending, None
+        self.unchecked += [(k, getattr(a, method).remote(pending, *args)) for k, a in enumerate(self.actors)]
+
+    def get(self, refs: list[tuple[int, Any]], what: str) -> list[Any]:
+        """The tasks' results; a failure or a stage that does not answer in time is named."""
+        ray = self.ray
+        try:
+            return ray.get([r for _, r in refs], timeout=self.seconds)
+        except ray.exceptions.GetTimeoutError:
+            late = next((k for k, r in refs if not ray.wait([r], timeout=0)[0]), refs[-1][0])
+            raise BackendError(f"{self.places[late]} did not {what} within {self.seconds:g} s "
+                               "($QWEN2OM_RAY_CALL_TIMEOUT): its host may be down or overloaded") from None
+        except ray.exceptions.RayError as e:
+            raise self.failure(refs, e) from None
+
+    def failure(self, refs: list[tuple[int, Any]], error: BaseException) -> BackendError:
+        """The first stage whose task failed, in pipeline order (a stage after it fails with its error)."""
+        ray = self.ray
+        for k, ref in refs:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError as e:
+                dead = next((j for j, a in enumerate(self.actors) if a._actor_id.hex() == e.actor_id), k)
+                return BackendError(f"{self.places[dead]}: its Ray actor died ({ray_reason(e)}); close the engine "
+                                    "and start again")
+            except ray.exceptions.RayTaskError as e:
+                place = self.places[k]
+                if not place.host and getattr(e, "ip", None):
+                    place = dataclasses.replace(place, host=str(e.ip), ip=str(e.ip), pid=int(getattr(e, "pid", 0)))
+                return BackendError(f"{place}: {ray_reason(e)}")
+            except ray.exceptions.RayError as e:
+                return BackendError(f"{self.places[k]}: {ray_reason(e)}")
+        return BackendError(f"the stages' Ray actors failed: {ray_reason(error)}")
+
+    def close(self) -> None:
+        """Release every actor's stage (its NPU, with the ACL backend) and end the actors; the last engine to
+        close shuts down the Ray it started. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        ray = self.ray
+        try:
+            done = [a.close.remote() for a in self.actors]
+            ray.wait(done, num_returns=len(done), timeout=10)
+        except Exception:  # a dead actor, or Ray already down: nothing more to release there
+            pass
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        _ray_use["engines"] -= 1
+        if _ray_use["started"] and not _ray_use["engines"]:
+            _ray_use["started"] = False
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+
+
+class _RayChain:
+    """One graph kind of a staged OUT whose stages are Ray actors (a GraphCall): host buffers for the ids,
+    positions and mask the engine fills, sent down the actors by `run`; appends and state writes go to
+    the actors, which hold the caches."""
+
+    def __init__(self, stages: _RayStages, kind: str, spec: dict, tokens: int, gears: Sequence[int]) -> None:
+        self.stages, self.kind, self.tokens, self.gears = stages, kind, tokens, tuple(gears)
+        ios = [io for io in spec["inputs"] if io["role"] in ("ids", "positions", "mask")]
+        flat = {io["name"]: np.zeros(int(np.prod(io["shape"])), dtype=io["dtype"]) for io in ios}
+        self.views = {t: {io["name"]: flat[io["name"]][:int(np.prod(s := shape_at(io, t, tokens)))].reshape(s)
+                          for io in ios} for t in self.gears}
+
+    def inputs(self, t: int) -> dict[str, np.ndarray]:
+        return self.views[t]
+
+    def run(self, t: int) -> np.ndarray:
+        if t not in self.views:
+            raise RuntimeInputError(f"{t} tokens is not a gear of this graph ({', '.join(map(str, self.gears))})")
+        return self.stages.call(self.kind, t, self.views[t])
+
+    def append(self, writes: Sequence[tuple[int, int, int, int]]) -> None:
+        if self.stages.pending is not None:  # two appends without a call between: the first goes now
+            self.stages.broadcast("append")
+        self.stages.pending = (self.kind, [tuple(int(v) for v in w) for w in writes])
+
+    def clear_states(self) -> None:
+        self.stages.broadcast("clear_states")
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        self.stages.broadcast("write_state", name, np.ascontiguousarray(value))
+
+
+def open_ray(engine: Engine, *, address: str | None = None, threads: int = 0, providers: Sequence[str] = (),
+             backend: str = "ort", devices: Sequence[int] = (0,)) -> tuple[dict[str, GraphCall], Callable[[], None]]:
+    """One Ray actor per stage of `engine`'s OUT, each loading its stage from the same path on its own host
+    (ONNX Runtime, or with backend "acl" its .om files on NPU `devices[k]`; one device: that id on every
+    actor's host), spread over the cluster's nodes. Returns a _RayChain per graph kind and the teardown."""
+    ray = import_ray()
+    stages, devices = engine.stages, list(devices)
+    if backend == "acl" and len(devices) not in (1, len(stages)):
+        raise BackendError(f"--devices names {len(devices)} NPUs for {len(stages)} stages: give one per stage, in "
+                           "stage order (or one, used on every stage's host)")
+    connect_s = seconds_from_env("QWEN2OM_RAY_CONNECT_TIMEOUT", RAY_CONNECT_SECONDS)
+    call_s = seconds_from_env("QWEN2OM_RAY_CALL_TIMEOUT", RAY_CALL_SECONDS)
+    if ray_connect(ray, address, max(len(stages), os.cpu_count() or 1), connect_s):
+        _ray_use["started"] = True
+    _ray_use["engines"] += 1
+    places = [StagePlace(k, tuple(m.get("stage", {}).get("layers") or (0, m["runtime"].get("layers", 0))))
+              for k, (_, m) in enumerate(stages)]
+    pipeline = _RayStages(ray, [], places, call_s)
+    try:
+        if __name__ != "__main__":  # workers need numpy and onnxruntime, not qwen2om (run.py is __main__: by value)
+            with contextlib.suppress(Exception):
+                ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        cpus = float(ray.cluster_resources().get("CPU", 0))
+        if not cpus:
+            raise BackendError("the Ray cluster has no CPUs for the stages' actors")
+        actor = ray.remote(StageActor).options(num_cpus=min(1.0, cpus / len(stages)), scheduling_strategy="SPREAD",
+                                               max_restarts=0, max_task_retries=0)
+        threads = threads or int(os.environ.get("QWEN2OM_THREADS") or 0)
+        for k, (folder, _) in enumerate(stages):
+            device = devices[k] if len(devices) > 1 else devices[0]
+            pipeline.actors.append(actor.remote(str(Path(folder).resolve()), threads, list(providers), backend, device))
+        infos = pipeline.get([(k, a.describe.remote()) for k, a in enumerate(pipeline.actors)], "load its graphs")
+        for place, info in zip(places, infos, strict=True):
+            place.host, place.ip, place.pid, place.node = info["host"], info["ip"], info["pid"], info["node"]
+        kinds = infos[0]["graphs"]
+        for place, info in zip(places[1:], infos[1:], strict=True):
+            if info["graphs"] != kinds:
+                raise RuntimeInputError(f"{place} has graphs {info['graphs']}, stage 0 {kinds}: its stages are "
+                                        "from different conversions")
+        specs = stages[0][1]["graphs"]
+        graphs: dict[str, GraphCall] = {kind: _RayChain(pipeline, kind, specs[kind], tokens, gears)
+                                        for kind, (tokens, gears) in kinds.items()}
+    except BaseException:
+        pipeline.close()
+        raise
+    return graphs, pipeline.close
 
 
 class Engine:
@@ -1163,7 +1558,8 @@ class Engine:
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         # A staged OUT (convert --stages) runs its stages in order, each from its own folder; an unstaged
         # one is a single stage, OUT itself.
-        self.stages = open_stages(self.dir, self.manifest, check_hashes=check_hashes or backend == "ort")
+        self.stages = open_stages(self.dir, self.manifest, check=backend == "ort" or check_hashes,
+                                  hashes=check_hashes)
         firsts = [next(iter(m["graphs"].values())) for _, m in self.stages]
         # Scale inputs (`scales: inputs`): loaded once, fed to every call of every graph.
         scales = [load_scales(d, first["inputs"]) for (d, _), first in zip(self.stages, firsts, strict=True)]
@@ -1200,25 +1596,10 @@ class Engine:
 
             self._release = release_all
             return
-        options = ort.SessionOptions()
-        # Errors only: ONNX Runtime's load-time notes (e.g. "could not find a CPU kernel and hence can't
-        # constant fold" for each layer of an int8-weight graph) are not the user's to act on.
-        options.log_severity_level = 3
-        # Without prepacking, ONNX Runtime reads MatMul weights from the memory-mapped data file:
-        # both sessions share one copy, and decode (bandwidth-bound) got 9-14 % faster here.
-        if not rt.get("prepack_weights"):  # int4 models need prepacking: MatMulNBits is slow without it
-            options.add_session_config_entry("session.disable_prepacking", "1")
-        # QWEN2OM_THREADS sets the default for every engine at once (CI runs the numerics tests on 1 thread).
-        threads = threads or int(os.environ.get("QWEN2OM_THREADS") or 0)
-        if threads:
-            options.intra_op_num_threads = threads
-        self.caches = {io["name"]: np.zeros(io["shape"], dtype=io["dtype"]) for first in firsts
-                       for io in first["inputs"] if io["role"] in PAST_ROLES or io["role"] in STATE_ROLES}
-        for sc in scales:
-            self.caches.update(sc)
-        prov = list(providers) or ["CPUExecutionProvider"]
-        self.graphs = chained([{kind: _Graph(d / s["file"], s, self.caches, options, prov)
-                                for kind, s in m["graphs"].items()} for d, m in self.stages])
+        opened = [open_ort_graphs(d, m, threads, providers, sc) for (d, m), sc in zip(self.stages, scales, strict=True)]
+        for _, caches in opened:
+            self.caches.update(caches)
+        self.graphs = chained([g for g, _ in opened])
 
     def close(self) -> None:
         """Release the backend's resources (the NPU's buffers, models and device); idempotent."""
