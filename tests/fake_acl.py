@@ -64,13 +64,14 @@ class FakeModel:
         self.gears: list[int] = sorted(spec.get("gears") or [])
         # A graph exported for gears (`convert --gears`) has a symbolic T: each gear runs as it is, the
         # way ATC compiles each gear on its own. A static graph is left-padded to its T.
-        self.symbolic = not isinstance(shapes["input_ids"][1], int)
+        first = self.inputs[0][0]  # input_ids; hidden_in in a pipeline stage after the first
+        self.symbolic = not isinstance(shapes[first][1], int)
         if self.symbolic:
             past = next(s for n, s, _ in self.inputs if n.startswith("past_key"))
             self.T, self.P = max(self.gears), past[2]
         else:
-            self.T, self.P = shapes["input_ids"][1], shapes["attention_mask"][3] - shapes["input_ids"][1]
-        listed = ("input_ids", "attention_mask", "position_ids") if spec.get("gear_format", "dynamic") == "dynamic" \
+            self.T, self.P = shapes[first][1], shapes["attention_mask"][3] - shapes[first][1]
+        listed = (first, "attention_mask", "position_ids") if spec.get("gear_format", "dynamic") == "dynamic" \
             else tuple(shapes)
         self.gear_dims = {t: [d for n, s, _ in self.inputs if n in listed for d in self.shape(n, s, t)]
                           for t in self.gears}
@@ -79,6 +80,8 @@ class FakeModel:
         b = shape[0]
         if name in ("input_ids", "position_ids"):
             return [b, t]
+        if name in ("hidden_in", "hidden_out"):  # a pipeline stage's hidden states [B, T, hidden]
+            return [b, t, shape[2]]
         if name == "attention_mask":
             return [b, 1, t, self.P + t]
         if name.startswith(("present_key", "present_value")):  # present_*_state: whole states, no T axis
@@ -101,9 +104,10 @@ class FakeModel:
     def pad(self, feeds: dict[str, np.ndarray], t: int) -> None:
         """Left-pad a t-token call to the graph's static T, as the runtime's own chunks are padded."""
         k, p = self.T - t, self.P
-        for name in ("input_ids", "position_ids"):
-            v = feeds[name]
-            feeds[name] = np.concatenate([np.zeros((v.shape[0], k), v.dtype), v], axis=1)
+        for name in ("input_ids", "hidden_in", "position_ids"):
+            if name in feeds:
+                v = feeds[name]
+                feeds[name] = np.concatenate([np.zeros((v.shape[0], k, *v.shape[2:]), v.dtype), v], axis=1)
         m = feeds["attention_mask"]
         big = np.full((m.shape[0], 1, self.T, p + self.T), np.finfo(m.dtype).min, m.dtype)
         big[:, :, k:, :p] = m[:, :, :, :p]
@@ -125,6 +129,8 @@ class FakeAcl(types.ModuleType):
         self.descs: dict[int, int | None] = {}
         self.gear_of: dict[int, int] = {}
         self.contexts: set[int] = set()
+        self.context_device: dict[int, int] = {}  # context → its device
+        self.current: int | None = None  # the thread's current context
         self.devices: set[int] = set()
         self.initialized = False
         self.calls: Counter[str] = Counter()
@@ -132,7 +138,7 @@ class FakeAcl(types.ModuleType):
         self.rt = types.SimpleNamespace(
             set_device=self._set_device, reset_device=self._reset_device, create_context=self._create_context,
             destroy_context=self._destroy_context, malloc=self._malloc, free=self._free, memcpy=self._memcpy,
-            memset=self._memset)
+            memset=self._memset, set_context=self._set_context)
         self.mdl = types.SimpleNamespace(
             load_from_file=self._load, unload=self._unload, create_desc=self._create_desc, get_desc=self._get_desc,
             destroy_desc=self._destroy_desc, get_num_inputs=lambda d: len(self._model(d).in_sizes()),
@@ -191,7 +197,16 @@ class FakeAcl(types.ModuleType):
     def _create_context(self, device: int) -> tuple[int, int]:
         ctx = self._new()
         self.contexts.add(ctx)
+        self.context_device[ctx] = device
+        self.current = ctx  # pyACL: a new context becomes the thread's current one
         return ctx, 0 if device in self.devices else ACL_ERROR_INVALID_PARAM
+
+    def _set_context(self, ctx: int) -> int:
+        self.calls["set_context"] += 1
+        if ctx not in self.contexts:
+            return ACL_ERROR_INVALID_PARAM
+        self.current = ctx
+        return 0
 
     def _destroy_context(self, ctx: int) -> int:
         self.contexts.discard(ctx)
@@ -312,6 +327,7 @@ class FakeAcl(types.ModuleType):
 
     def _execute(self, model_id: int, inputs: int, outputs: int) -> int:
         self.calls["execute"] += 1
+        self.calls[f"execute on device {self.context_device.get(self.current)}"] += 1
         m = self.models.get(model_id)
         if m is None or len(self.datasets.get(inputs, ())) != len(m.in_sizes()) \
                 or len(self.datasets.get(outputs, ())) != len(m.outputs):

@@ -248,3 +248,41 @@ def test_ascend_stages_each_get_an_atc_command_and_pass_the_checker(outs: Callab
     assert "stage0/decode" in stdout and "stage1/prefill" in stdout
     code, stdout, err = cli("verify", out)
     assert code == 0 and "PASS" in stdout, stdout + err
+
+
+def test_acl_backend_runs_one_npu_per_stage(outs: Callable[..., Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the fake pyACL (tests/fake_acl.py): stage k on NPU k (or --devices), the ORT tokens."""
+    import sys
+
+    from fake_acl import FakeAcl
+    from test_acl_backend import with_om
+
+    from qwen2om.runtime.standalone import BackendError, Engine
+
+    fake = FakeAcl()
+    monkeypatch.setitem(sys.modules, "acl", fake)
+    staged = outs("builtin:tiny-qwen3", 2)
+    mirror = tmp_path / "acl"
+    mirror.mkdir()
+    for f in staged.iterdir():
+        if f.name != "stages":
+            (mirror / f.name).symlink_to(f)
+    (mirror / "stages").mkdir()
+    for k in range(2):
+        with_om(staged / f"stages/0{k}", mirror / f"stages/0{k}")
+    want = logits_of(staged)[1]
+    with Engine(mirror, backend="acl", devices=[3, 5]) as engine:
+        assert engine.caches == {}
+        rows = [engine.prefill([PROMPT])[0]]
+        tokens = []
+        for _ in range(6):
+            tokens.append(int(np.argmax(rows[-1])))
+            rows.append(engine.step([tokens[-1]])[0])
+    assert tokens == want
+    # 2 prefill chunks + 6 decode steps on each NPU
+    assert fake.calls["execute on device 3"] == fake.calls["execute on device 5"] == 8
+    assert fake.leaks() == []
+    with pytest.raises(BackendError, match="--devices names 1 NPUs for 2 stages"):
+        Engine(mirror, backend="acl", devices=[0])
+    assert fake.leaks() == []

@@ -504,6 +504,9 @@ def _value(result: tuple[Any, int], what: str) -> Any:
     return value
 
 
+_CURRENT_CONTEXT: dict[int, int] = {}  # thread → the ACL context current on it (set by qwen2om)
+
+
 class _AclDevice:
     """acl.init and one NPU, the device memory both graphs share, and a teardown stack that releases
     everything in reverse order (also when loading fails half-way)."""
@@ -521,7 +524,15 @@ class _AclDevice:
         _ok(acl.rt.set_device(device), f"acl.rt.set_device({device})")
         self.defer(lambda: acl.rt.reset_device(device))
         context = _value(acl.rt.create_context(device), "acl.rt.create_context")
-        self.defer(lambda: acl.rt.destroy_context(context))
+        self.defer(lambda: (acl.rt.destroy_context(context), _CURRENT_CONTEXT.pop(threading.get_ident(), None)))
+        self.context = _CURRENT_CONTEXT[threading.get_ident()] = context  # a new context is the current one
+
+    def use(self) -> None:
+        """Make this device's context the thread's current one (if it is not): a staged model drives one
+        NPU per stage from one thread, and ACL runs each call on the current context's device."""
+        if _CURRENT_CONTEXT.get(threading.get_ident()) != self.context:
+            _ok(self.acl.rt.set_context(self.context), "acl.rt.set_context")
+            _CURRENT_CONTEXT[threading.get_ident()] = self.context
 
     def defer(self, undo: Callable[[], object]) -> None:
         self._undo.append(undo)
@@ -628,6 +639,7 @@ class _AclGraph:
         if t not in self.gears:
             raise RuntimeInputError(f"{t} tokens is not a compiled gear of the {self.kind} model "
                                     f"({', '.join(map(str, self.gears))})")
+        dev.use()
         for name, host in self.inputs(t).items():
             dev.copy(self.ptr[name], host.nbytes, host.ctypes.data, host.nbytes, ACL_MEMCPY_HOST_TO_DEVICE)
         if self.dynamic is not None:
@@ -645,6 +657,7 @@ class _AclGraph:
         """Append the last call's new K/V to the device caches, device to device: per row and head, a
         contiguous run of n·D values from present [B, H, t, D] into past [B, H, P, D]."""
         t = self.t
+        self.dev.use()
         for io, src, dst, past in self.presents:
             _, heads, capacity, d = past["shape"]
             row = d * np.dtype(io["dtype"]).itemsize
@@ -660,10 +673,12 @@ class _AclGraph:
                 self.dev.copy(dst + b * row, size - b * row, src + b * row, row, ACL_MEMCPY_DEVICE_TO_DEVICE)
 
     def clear_states(self) -> None:
+        self.dev.use()
         for _, dst, size, _ in self.states.values():
             _ok(self.dev.acl.rt.memset(dst, size, 0, size), "acl.rt.memset")
 
     def write_state(self, name: str, value: np.ndarray) -> None:
+        self.dev.use()
         host = np.ascontiguousarray(value)
         _, dst, size, _ = self.states[name]
         self.dev.copy(dst, size, host.ctypes.data, size, ACL_MEMCPY_HOST_TO_DEVICE)
@@ -1376,15 +1391,25 @@ class _RayStages:
         if sum(v.nbytes for v in shared.values()) > RAY_INLINE_BYTES:  # a prefill's mask: stored once for all stages
             shared = self.ray.put(shared)
         x, refs = inputs["input_ids"], []
-        for k, actor in enumerate(self.actors):
-            x = actor.call.remote(pending, kind, t, shared, x)
-            refs.append((k, x))
+        with self.submitting():
+            for k, actor in enumerate(self.actors):
+                x = actor.call.remote(pending, kind, t, shared, x)
+                refs.append((k, x))
         unchecked, self.unchecked = self.unchecked, []
         return self.get([*unchecked, *refs], "answer")[-1]
 
     def broadcast(self, method: str, *args: Any) -> None:
         pending, self.pending = self.pending, None
-        self.unchecked += [(k, getattr(a, method).remote(pending, *args)) for k, a in enumerate(self.actors)]
+        with self.submitting():
+            self.unchecked += [(k, getattr(a, method).remote(pending, *args)) for k, a in enumerate(self.actors)]
+
+    @contextlib.contextmanager
+    def submitting(self) -> Iterator[None]:
+        """Ray refusing a task (shut down, object store full) as a BackendError."""
+        try:
+            yield
+        except self.ray.exceptions.RayError as e:
+            raise BackendError(f"Ray refused a task for the stages' actors: {ray_reason(e)}") from None
 
     def get(self, refs: list[tuple[int, Any]], what: str) -> list[Any]:
         """The tasks' results; a failure or a stage that does not answer in time is named."""
@@ -1860,6 +1885,15 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("ort", "acl"), default="ort",
                    help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL on an Ascend NPU with ascend/*.om")
     p.add_argument("--device", type=int, default=0, help="NPU device id for --backend acl")
+    p.add_argument("--devices", default=None,
+                   help="a staged OUT's NPU per stage, comma-separated, e.g. 0,1 (--backend acl; default: --device, "
+                        "--device+1, ...; with --distributed ray, one id is used on every stage's host)")
+    p.add_argument("--distributed", choices=("ray",), default=None,
+                   help="run each stage of a staged OUT in its own Ray actor (its caches stay there), on this host or "
+                        f"across a cluster's ({RAY_EXTRA})")
+    p.add_argument("--address", default=None,
+                   help="with --distributed ray: the Ray head's HOST:PORT (its `ray start --head --port`), or auto "
+                        "(the cluster `ray start` left on this host); default: a local cluster for this run")
     p.add_argument("--check-hashes", action="store_true",
                    help="check every file's sha256 against manifest.json before loading (sizes are always checked)")
 
@@ -1875,6 +1909,17 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
         p.error(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
     if a.threads < 0:
         p.error(f"--threads {a.threads} must be >= 0 (0: all cores)")
+    if a.address is not None and a.distributed is None:
+        print("error: --address is the Ray cluster of --distributed ray: give both", file=sys.stderr)
+        return 2
+    try:
+        devices = None if a.devices is None else [int(x) for x in a.devices.split(",")]
+        if devices is not None and min(devices) < 0:
+            raise ValueError
+    except ValueError:
+        print(f"error: --devices {a.devices!r}: give comma-separated NPU ids, one per stage, e.g. --devices 0,1",
+              file=sys.stderr)
+        return 2
     try:
         ids = None if a.ids is None else [int(x) for x in a.ids.split(",")]
     except ValueError:
@@ -1906,7 +1951,7 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
             sys.stdout.flush()
             return 0
         engine = Engine(directory, threads=a.threads, backend=a.backend, device=a.device,
-                        check_hashes=a.check_hashes)
+                        check_hashes=a.check_hashes, devices=devices, distributed=a.distributed, address=a.address)
         ids = ids if ids is not None else engine.encode(text or "")
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
