@@ -286,3 +286,24 @@ def test_acl_backend_runs_one_npu_per_stage(outs: Callable[..., Path], tmp_path:
     with pytest.raises(BackendError, match="--devices names 1 NPUs for 2 stages"):
         Engine(mirror, backend="acl", devices=[0])
     assert fake.leaks() == []
+
+
+def test_run_eval_verify_and_run_py_take_a_staged_out(outs: Callable[..., Path], cli) -> None:
+    import subprocess
+    import sys
+
+    whole, staged = outs("builtin:tiny-qwen3", 0), outs("builtin:tiny-qwen3", 3)
+    said = {}
+    for name, out in (("whole", whole), ("staged", staged)):
+        code, stdout, err = cli("run", out, "--prompt", "Once upon a time", "--greedy", "--max-new-tokens", "12",
+                                "--json")
+        assert code == 0, err
+        tokens = json.loads(stdout)["tokens"]
+        code, ppl, err = cli("eval", "ppl", out, "--dataset", "builtin:prose", "--max-windows", "2", "--window", "32")
+        assert code == 0, err
+        script = subprocess.run([sys.executable, str(out / "run.py"), "--prompt", "Once upon a time", "--greedy",
+                                 "--max-new-tokens", "12", "--json"], capture_output=True, text=True, check=True)
+        said[name] = (tokens, ppl.split(" on ")[0], json.loads(script.stdout)["tokens"])
+    assert said["staged"] == said["whole"]
+    code, stdout, err = cli("verify", staged, "--tokens", "8")
+    assert code == 0 and "PASS" in stdout, stdout + err
