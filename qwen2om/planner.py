@@ -77,7 +77,8 @@ class Storage:
     compute: str  # numpy name of the compute dtype
     itemsize: int
     int4: str  # nbits (ONNX Runtime MatMulNBits), wqbmm (Ascend 910B/910_93), w8a16 (Ascend 310P/310B), float
-    int4_experts: str  # qmoe (ORT fuse_moe), stack (lower_int4 experts: true), float
+    int4_experts: str  # qmoe (ORT fuse_moe), stack (lower_int4 experts: true), float; "target": as `int4`
+    # ("target" is no pass's: what-if figures for a lowering that does not exist, bench/plan_seed.py)
     fp8: str  # float8_e4m3fn or uint8 (lower_fp8's storage), float (no lower_fp8)
     fp8_experts: bool  # lower_fp8 {experts: true}
     fused_moe: bool  # ORT fuse_moe: routed experts grouped by expert (workspace ∝ top-k)
@@ -118,7 +119,8 @@ def stored_bytes(shape: tuple[int, ...], q: QuantWeight | None, expert: bool, s:
     numel = math.prod(shape)
     if isinstance(q, Int4Weight):
         n, k, groups = q.n, q.k, q.k // q.group
-        form = ("qmoe" if s.int4_experts == "qmoe" and qmoe else
+        form = (s.int4 if s.int4_experts == "target" else
+                "qmoe" if s.int4_experts == "qmoe" and qmoe else
                 "stack" if s.int4_experts == "stack" and q.symmetric and q.layout.packs_int32 else
                 "float") if expert else s.int4
         if form == "nbits":  # MatMulNBits: B [N, K/g, g/2] uint8, scales [N·K/g] compute, zero points uint8
@@ -164,6 +166,7 @@ class ModelBytes:
     last: dict[str, int]
     workspace: dict[str, int]
     notes: list[str]
+    shared: int = 0  # bytes in both `first` and `last` (a tied embedding): held once where one stage has both
 
     def costs(self) -> StageCosts:
         layers = [sum(w.values()) + c for w, c in zip(self.layer_weights, self.layer_cache, strict=True)]
@@ -178,33 +181,34 @@ class _Experts:
         self.quantized, self.dims = quantized, dims
 
 
-def hypothetical(arch: ArchSpec, dims: ModelDims, table: Mapping[str, tuple[int, ...]],
-                 scheme: str) -> dict[str, QuantWeight]:
+def hypothetical(arch: ArchSpec, table: Mapping[str, tuple[int, ...]], scheme: str,
+                 group: int = SCHEME_GROUP) -> dict[str, QuantWeight]:
     """The weights `calibrate --scheme` would quantise, as it would store them (w4a16: symmetric int4 in
-    groups of 128, compressed-tensors; fp8-block: e4m3fn in 128×128 tiles): every 2-D weight the
-    architecture quantises (never embeddings, norms, routers, the LM head) whose K the group divides."""
+    groups of `group`, compressed-tensors; fp8-block: e4m3fn in 128×128 tiles): every 2-D weight the
+    architecture quantises (never embeddings, norms, routers, the LM head). A group that does not divide
+    a weight's K is refused as calibrate refuses it."""
     if scheme not in SCHEMES:
         raise RecipeError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
-    out: dict[str, QuantWeight] = {}
-    for name, shape in table.items():
-        if len(shape) != 2 or not quantizable(arch, name):
-            continue
-        n, k = shape
-        if scheme == "w4a16":
-            if k % SCHEME_GROUP == 0:
-                out[name] = Int4Weight(name, n, k, SCHEME_GROUP, symmetric=True)
-        else:
-            out[name] = Fp8Weight(name, n, k, FP8_BLOCK, name.removesuffix(".weight") + ".weight_scale_inv")
-    return out
+    names = [n for n, shape in table.items() if len(shape) == 2 and quantizable(arch, n)]
+    if scheme == "w4a16":
+        if bad := [(n, table[n][1]) for n in names if table[n][1] % group]:
+            fits = [g for g in (16, 32, 64, 128, 256) if all(table[n][1] % g == 0 for n in names)]
+            hint = f"plan with --group-size {max(fits)}" if fits else "no power-of-two group ≥ 16 fits every weight"
+            raise RecipeError(f"--scheme w4a16: {bad[0][0]}: input width {bad[0][1]} is not a multiple of "
+                              f"--group-size {group} ({len(bad)} weights are not), which calibrate refuses; {hint}")
+        return {n: Int4Weight(n, *table[n], group, symmetric=True) for n in names}
+    return {n: Fp8Weight(n, *table[n], FP8_BLOCK, n.removesuffix(".weight") + ".weight_scale_inv") for n in names}
 
 
 def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *,
-                scheme: str | None = None) -> ModelBytes:
+                scheme: str | None = None, group: int = SCHEME_GROUP, storage: Storage | None = None) -> ModelBytes:
     """The bytes of `model` converted with the resolved recipe `r`, from its tensor table: `ckpt`'s
     (quantisation read from its headers) or, without one, the table its config implies, all float.
-    `scheme`: count a float checkpoint's weights as `calibrate --scheme` would quantise them."""
-    d, arch, s = model.dims, model.arch, Storage.of(r)
-    fused = ckpt.fused_experts if ckpt is not None else False
+    `scheme`: count a float checkpoint's weights as `calibrate --scheme` would quantise them (calibrate
+    writes MoE experts one tensor per expert, whatever the float layout). `storage`: in place of the one
+    the recipe's passes imply (what-if figures)."""
+    d, arch, s = model.dims, model.arch, storage or Storage.of(r)
+    fused = ckpt.fused_experts if ckpt is not None and not scheme else False
     table = expected_tensors(arch, d, fused=fused)
     quantized: dict[str, QuantWeight] = dict(ckpt.quantized) if ckpt is not None else {}
     notes: list[str] = []
@@ -213,11 +217,8 @@ def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *
             kinds = sorted({q.kind for q in quantized.values()})
             raise RecipeError(f"--scheme {scheme}: this checkpoint is already quantised ({', '.join(kinds)}); "
                               "plan it as it is, without --scheme")
-        if fused:
-            raise RecipeError(f"--scheme {scheme}: this checkpoint holds its experts fused 3-D, which calibrate "
-                              "does not quantise; plan it without --scheme")
-        quantized = hypothetical(arch, d, table, scheme)
-        what = ("symmetric int4 in groups of 128, fp16/fp32 scales as calibrate writes them" if scheme == "w4a16"
+        quantized = hypothetical(arch, table, scheme, group)
+        what = (f"symmetric int4 in groups of {group}, scales as the target stores them" if scheme == "w4a16"
                 else "e4m3fn in 128×128 tiles with float32 scales")
         notes.append(f"--scheme {scheme}: bytes estimated as if calibrated ({len(quantized)} weights {what}); "
                      "the checkpoint itself is float")
@@ -248,15 +249,17 @@ def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *
             notes.append(f"{r.soc_version} has no int4 matmul an ONNX graph reaches: int4 weights are counted as "
                          "W8A16 (int8 storage, twice int4's bytes), which convert writes with "
                          "--set weight_storage=int8")
-        if d.sparse and s.int4_experts == "float" or (s.int4_experts == "qmoe" and len(qmoe) < len(d.sparse)):
-            notes.append(f"MoE experts are dequantised into {s.compute} stacks at conversion ("
-                         + ("the Ascend recipe has no int4 expert kernel" if r.target == "ascend" else
-                            "not QMoE-eligible: asymmetric, msModelSlim or mixed groups") + "): counted so")
+        if d.sparse and (s.int4_experts == "float" or (s.int4_experts == "qmoe" and len(qmoe) < len(d.sparse))):
+            why = ("lower_int4_ascend lowers linears, not expert stacks" if r.target == "ascend" else
+                   "the recipe has neither fuse_moe's QMoE nor lower_int4 {experts: true}"
+                   if s.int4_experts == "float" else "not QMoE-eligible: asymmetric, msModelSlim or mixed groups")
+            notes.append(f"int4 MoE experts are dequantised into {s.compute} stacks at conversion ({why}): counted so")
     if any(q.kind == "fp8" for q in quantized.values()) and d.sparse and not s.fp8_experts:
         notes.append(f"MoE experts of FP8 weights are dequantised into {s.compute} stacks at conversion (the "
                      "recipe's lower_fp8 has no `experts: true`): counted so")
+    shared = sum(first.values()) if d.tied else 0
     return ModelBytes([dict(c) for c in layers], cache, kinds, dict(first), dict(last),
-                      workspace_bytes(d, r, s, largest_dequant), notes)
+                      workspace_bytes(d, r, s, largest_dequant), notes, shared)
 
 
 def _qmoe_layer(quantized: Mapping[str, QuantWeight], d: ModelDims, layer: int) -> bool:
@@ -451,16 +454,20 @@ WORKSPACE_HOW = ("peak of one prefill call of prefill_chunk tokens, layer by lay
                  "RoPE tables + the largest in-graph dequantisation; the runtime's own reserve is not included")
 
 
-def split(costs: StageCosts, device: Device, devices: int | None) -> list[tuple[int, int]]:
+def split(costs: StageCosts, device: Device, devices: int | None, shared: int = 0) -> list[tuple[int, int]]:
     """The stage split: `devices` balanced runs (stages.split_layers), refused naming the stage and its
-    bytes when one does not fit; without `devices`, the fewest that fit (stages.fewest_stages)."""
+    bytes when one does not fit; without `devices`, the fewest that fit (stages.fewest_stages). `shared`:
+    bytes counted in both costs.first and costs.last (a tied embedding), held once by a single stage."""
     n = len(costs.layers)
     room = device.memory - costs.workspace
     if room <= 0:
         raise RecipeError(f"the per-stage workspace alone ({gib(costs.workspace)}) exceeds the "
                           f"{gib(device.memory)} of {device.label}: lower --prefill-chunk, --max-seq-len or "
                           "--batch-size")
+    whole = sum(costs.layers) + costs.first + costs.last - shared  # one stage: the tied table once
     if devices is None:
+        if whole <= room:
+            return [(0, n)]
         return fewest_stages(costs.layers, room, first=costs.first, last=costs.last,
                              what=f"{device.label} ({gib(device.memory)} less {gib(costs.workspace)} workspace)")
     if devices < 1:
@@ -469,30 +476,33 @@ def split(costs: StageCosts, device: Device, devices: int | None) -> list[tuple[
         raise RecipeError(f"--devices {devices} is more than the model's {n} decoder layers: each device (stage) "
                           "holds at least one")
     runs = split_layers(costs.layers, devices, first=costs.first, last=costs.last)
-    totals = stage_totals(costs.layers, runs, first=costs.first, last=costs.last)
+    totals = [whole] if devices == 1 else stage_totals(costs.layers, runs, first=costs.first, last=costs.last)
     for k, ((a, b), t) in enumerate(zip(runs, totals, strict=True)):
         if t + costs.workspace > device.memory:
             try:
-                need = len(fewest_stages(costs.layers, room, first=costs.first, last=costs.last))
+                need = len(fewest_stages(costs.layers, room, first=costs.first, last=costs.last,
+                                         what=f"{device.label} less its workspace"))
                 hint = f"the fewest that fit are {need}"
             except RecipeError as e:
                 hint = f"no split fits: {e}"
-            raise RecipeError(f"stage {k} of {devices} (layers {a}–{b - 1}) needs {gib(t + costs.workspace)} "
-                              f"({t + costs.workspace:,} bytes: {gib(t)} weights and caches + {gib(costs.workspace)} "
-                              f"workspace) but {device.label} has {gib(device.memory)}: the model cannot "
-                              f"fit {devices} device{'s' * (devices != 1)} ({hint})")
+            need = t + costs.workspace
+            raise RecipeError(f"stage {k} of {devices} (layers {a}–{b - 1}) needs {gib(need)} ({need:,} bytes: "
+                              f"{gib(t)} weights and caches + {gib(costs.workspace)} workspace) but {device.label} "
+                              f"has {gib(device.memory)} ({device.memory:,} bytes): the model cannot fit {devices} "
+                              f"device{'s' * (devices != 1)} ({hint})")
     return runs
 
 
 def plan(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *, devices: int | None = None,
-         device_memory: float | None = None, scheme: str | None = None, name: str = "") -> Plan:
+         device_memory: float | None = None, scheme: str | None = None, group: int = SCHEME_GROUP,
+         name: str = "", storage: Storage | None = None) -> Plan:
     """The plan for `model` converted with the resolved recipe `r` on devices of `device_memory` GiB
     (default: the SoC's, or this machine's RAM): per stage, weights by dtype, caches, workspace."""
     with _opened(model, ckpt) as c:
-        mb = model_bytes(model, r, c, scheme=scheme)
+        mb = model_bytes(model, r, c, scheme=scheme, group=group, storage=storage)
     costs = mb.costs()
     device = device_of(r, device_memory)
-    runs = split(costs, device, devices)
+    runs = split(costs, device, devices, mb.shared)
     stages = []
     for k, (a, b) in enumerate(runs):
         weights: Counter[str] = Counter()
@@ -502,6 +512,9 @@ def plan(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *, devic
             weights.update(mb.first)
         if k == len(runs) - 1:
             weights.update(mb.last)
+            if k == 0 and mb.shared:  # one stage holds the tied table once
+                weights.subtract({dt: n for dt, n in mb.first.items()})
+                weights = +weights
         kv = sum(mb.layer_cache[i] for i in range(a, b) if mb.cache_kind[i] == "kv")
         state = sum(mb.layer_cache[i] for i in range(a, b) if mb.cache_kind[i] == "state")
         stages.append(StagePlan(k, a, b, dict(weights), kv, state, costs.workspace))
@@ -517,7 +530,7 @@ def plan(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *, devic
 
 def plan_model(model: str | Path, settings: Mapping[str, Any], *, recipe: str | None = None,
                devices: int | None = None, device_memory: float | None = None,
-               scheme: str | None = None) -> Plan:
+               scheme: str | None = None, group: int = SCHEME_GROUP) -> Plan:
     """`qwen2om plan`: MODEL (a directory or builtin:NAME) with recipe `settings` (recipe field → typed
     value, as convert takes them), its headers read, nothing else."""
     from qwen2om.builtin import resolve_model
@@ -529,7 +542,9 @@ def plan_model(model: str | Path, settings: Mapping[str, Any], *, recipe: str | 
     r = choose_recipe(cfg, recipe, settings)
     ckpt = Checkpoint(source, cfg)  # lazy: headers and quantisation metadata, no tensor data
     try:
-        return plan(cfg, r, ckpt, devices=devices, device_memory=device_memory, scheme=scheme, name=str(model))
+        ckpt.validate_layout()  # headers only: every tensor the config implies, with its shape and dtype
+        return plan(cfg, r, ckpt, devices=devices, device_memory=device_memory, scheme=scheme, group=group,
+                    name=str(model))
     finally:
         ckpt.close()
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from qwen2om.errors import RecipeError
 from qwen2om.output import MANIFEST, file_entries
-from qwen2om.stages import Stage, fewest_stages, gib, split_id, split_layers, stage_totals, stages_of
+from qwen2om.stages import Stage, split_id, split_layers, stage_totals, stages_of
 
 if TYPE_CHECKING:
     from qwen2om.checkpoint import ModelConfig
@@ -53,44 +53,30 @@ class SplitPlan:
         return {"id": self.id, **stage.to_dict()}
 
 
-def device_bytes(options: ConvertOptions, r: Recipe) -> int | None:
-    """--device-memory in bytes, else the SoC's memory (target ascend), else None."""
-    from qwen2om.planner import device_of
-
-    if options.device_memory is None and not r.soc_version:
-        return None
-    return device_of(r, options.device_memory).memory
-
-
 def plan_split(config: ModelConfig, r: Recipe, options: ConvertOptions) -> SplitPlan:
     """The stages `options` ask for, refused before any work when they cannot be built: more stages than
-    layers, a stage over the device's memory however the layers are split, an --only-stage out of range."""
-    from qwen2om.planner import stage_costs
+    layers, a stage over the device's memory however the layers are split, an --only-stage out of range.
+    With a device size (--device-memory, or the SoC's), the split is `qwen2om plan`'s, checked as it
+    checks it; without one (--stages K on ONNX Runtime), the same balance with nothing to fit."""
+    from qwen2om.planner import plan, stage_costs
 
     asked = options.stages
     if asked is None:
         flag = "--only-stage" if options.only_stage is not None else "--device-memory"
         raise RecipeError(f"{flag} needs --stages K or --stages auto")
-    costs = stage_costs(config, r)
-    capacity = device_bytes(options, r)
-    if asked == "auto":
-        if capacity is None:
-            raise RecipeError("--stages auto needs --device-memory GiB (or --target ascend --soc-version S, whose "
-                              "memory qwen2om knows)")
-        room = capacity - costs.workspace
-        what = f"a device of {gib(capacity)} (less {gib(costs.workspace)} workspace)"
-        bounds = fewest_stages(costs.layers, room, first=costs.first, last=costs.last, what=what)
+    k = None if asked == "auto" else asked if isinstance(asked, int) else _stage_count(asked)
+    if options.device_memory is not None or r.soc_version:
+        p = plan(config, r, devices=k, device_memory=options.device_memory)
+        bounds = [(s.start, s.stop) for s in p.stages]
+        totals = [s.total for s in p.stages]
+    elif k is None:
+        raise RecipeError("--stages auto needs --device-memory GiB (or --target ascend --soc-version S, whose "
+                          "memory qwen2om knows)")
     else:
-        k = asked if isinstance(asked, int) else _stage_count(asked)
+        costs = stage_costs(config, r)
         bounds = split_layers(costs.layers, k, first=costs.first, last=costs.last)
-    totals = [t + costs.workspace for t in stage_totals(costs.layers, bounds, first=costs.first, last=costs.last)]
-    if capacity is not None:
-        for i, total in enumerate(totals):
-            if total > capacity:
-                a, b = bounds[i]
-                raise RecipeError(f"stage {i} (layers {a}–{b - 1}) needs {gib(total)} but the device has "
-                                  f"{gib(capacity)}; the best split into {len(bounds)} stages still leaves it over: "
-                                  "use more stages (--stages auto finds how many)")
+        totals = [t + costs.workspace
+                  for t in stage_totals(costs.layers, bounds, first=costs.first, last=costs.last)]
     stages = stages_of(bounds)
     if options.only_stage is not None and not 0 <= options.only_stage < len(stages):
         raise RecipeError(f"--only-stage {options.only_stage}: the split has stages 0–{len(stages) - 1}")
