@@ -36,7 +36,7 @@ import torch
 from qwen2om.errors import CheckpointError
 from qwen2om.quant import fp8
 from qwen2om.quant.int4 import dequantize, pack_int4, unpack_int4
-from qwen2om.safetensors_io import Shard
+from qwen2om.safetensors_io import Shard, opened
 
 if TYPE_CHECKING:
     from qwen2om.quant.formats import Format
@@ -224,7 +224,7 @@ def read_fp8(where: dict[str, Any], source: str, block: tuple[int, int] | None, 
     for name in sorted(where):
         if not name.endswith(".weight"):
             continue
-        shard = shards.setdefault(where[name], Shard(where[name]))
+        shard = opened(shards, where[name])
         info = shard.tensors[name]
         scale = name.removesuffix(".weight") + scale_suffix
         if scale not in where:

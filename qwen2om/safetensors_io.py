@@ -188,3 +188,11 @@ class Shard:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def opened(shards: dict[Any, Shard], path: Any) -> Shard:
+    """`path`'s Shard from `shards`, parsing its header only the first time (a checkpoint's quantisation
+    metadata looks one up per weight: 31k weights of a published FP8 model)."""
+    if path not in shards:
+        shards[path] = Shard(path)
+    return shards[path]

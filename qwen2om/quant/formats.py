@@ -18,7 +18,7 @@ from qwen2om.errors import CheckpointError
 from qwen2om.quant.int4 import Int4Spec, pack_int4
 from qwen2om.quantized import DESCRIPTION, Int4Weight, QuantWeight, block_size, read_fp8
 from qwen2om.registry import Registry
-from qwen2om.safetensors_io import Shard
+from qwen2om.safetensors_io import Shard, opened
 
 # (quantization_config or {}, safetensors name → its file, the checkpoint directory) → weight name → weight
 Reader = Callable[[dict[str, Any], dict[str, Any], str], dict[str, QuantWeight]]
@@ -92,9 +92,9 @@ def read_description(qc: dict[str, Any], where: dict[str, Any], source: str) -> 
         missing = [t for t in (name, f"{base}.weight_scale", f"{base}.weight_offset") if t not in where]
         if missing:
             raise CheckpointError(f"{path} marks {name!r} W4A16, but the checkpoint has no {missing[0]!r}")
-        shard = shards.setdefault(where[name], Shard(where[name]))
+        shard = opened(shards, where[name])
         n, k = shard.tensors[name].shape
-        sshard = shards.setdefault(where[f"{base}.weight_scale"], Shard(where[f"{base}.weight_scale"]))
+        sshard = opened(shards, where[f"{base}.weight_scale"])
         groups = sshard.tensors[f"{base}.weight_scale"].shape[-1]
         group = int(desc.get("group_size") or (k // groups))
         out[name] = Int4Weight(name, n, k, group, symmetric=False, fmt=ASCENDV1.name)
@@ -160,7 +160,7 @@ def read_compressed_tensors(qc: dict[str, Any], where: dict[str, Any], source: s
         shape_name = f"{base}.weight_shape"
         if shape_name not in where:
             raise CheckpointError(f"{source}: quantised weight {base!r} has no {shape_name!r}")
-        shard = shards.setdefault(where[shape_name], Shard(where[shape_name]))
+        shard = opened(shards, where[shape_name])
         n, k = (int(x) for x in shard.read(shape_name).tolist())
         out[f"{base}.weight"] = Int4Weight(f"{base}.weight", n, k, int(w.get("group_size") or k),
                                            bool(w.get("symmetric", True)))
