@@ -387,9 +387,15 @@ def run(
     backend: Annotated[str, typer.Option(help="ort: ONNX Runtime on the .onnx graphs; acl: pyACL (CANN) on an "
                                          "Ascend NPU with OUT/ascend/model.<kind>.om")] = "ort",
     device: Annotated[int, typer.Option(help="NPU device id (--backend acl)")] = 0,
+    devices: Annotated[str | None, typer.Option(help="a staged OUT's NPU per stage, comma-separated, e.g. 0,1 "
+                                                "(--backend acl; default --device, --device+1, ...)")] = None,
     check_hashes: Annotated[bool, typer.Option("--check-hashes", help="check every file of OUT against the "
                                                "sha256 in its manifest before loading (sizes are always "
                                                "checked)")] = False,
+    distributed: Annotated[str | None, typer.Option(help="ray: each stage of a staged OUT in its own Ray actor, its "
+                                                    "caches kept there (pip install 'qwen2om[ray]')")] = None,
+    address: Annotated[str | None, typer.Option(help="with --distributed ray: the Ray head's HOST:PORT, or auto; "
+                                                "default: a local cluster for this run")] = None,
 ) -> None:
     """Generate text with a converted model, streaming tokens; prints prefill and decode speed."""
     from qwen2om.runtime import standalone
@@ -397,7 +403,8 @@ def run(
     argv = ["--max-new-tokens", str(max_new_tokens), "--seed", str(seed), "--threads", str(threads),
             "--backend", backend, "--device", str(device)]
     for flag, value in (("--prompt", prompt), ("--system", system), ("--ids", ids), ("--messages", messages),
-                        ("--tools", tools), ("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p)):
+                        ("--tools", tools), ("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p),
+                        ("--devices", devices), ("--distributed", distributed), ("--address", address)):
         if value is not None:  # flag=value: a prompt that starts with "-" stays a value
             argv.append(f"{flag}={value}")
     if enable_thinking is not None:
@@ -439,6 +446,10 @@ def verify(
     tolerance: Annotated[float | None, typer.Option(min=0, help="max |Δlogits| allowed (also the tie gap), in "
                                                     "place of the dtype's criterion (fp32: 4 × the reference's "
                                                     "own noise, at least 1e-4); reported as set")] = None,
+    distributed: Annotated[str | None, typer.Option(help="ray: each stage of a staged OUT in its own Ray actor, its "
+                                                    "caches kept there (pip install 'qwen2om[ray]')")] = None,
+    address: Annotated[str | None, typer.Option(help="with --distributed ray: the Ray head's HOST:PORT, or auto; "
+                                                "default: a local cluster for this run")] = None,
 ) -> None:
     """Compare OUT against transformers on the same tokens: max |Δlogits| and greedy-token agreement."""
     from qwen2om.verify import default_reference, describe, describe_tie
@@ -449,7 +460,8 @@ def verify(
     reference = default_reference(out) if reference is None else reference
     with progress_bar() as progress:
         report = run_verify(out, reference, tokens=tokens, prompts=prompt, progress=progress,
-                            loader=reference_loader, check_hashes=check_hashes, tolerance=tolerance)
+                            loader=reference_loader, check_hashes=check_hashes, tolerance=tolerance,
+                            distributed=distributed, address=address)
     table = Table(title=f"verify {out} against {reference} ({report.dtype})")
     for col in ("prompt", "prompt tok", "steps", "max |Δlogits|", "ref noise", "top-1 agree", "first mismatch"):
         table.add_column(col)
@@ -836,13 +848,18 @@ def eval_ppl(
     model: Annotated[str, typer.Argument(help="checkpoint directory, builtin:NAME, or qwen2om output directory")],
     dataset: DatasetOpt = EVAL_DATASET, window: WindowOpt = 256, max_windows: WindowsOpt = 16,
     as_json: JsonOpt = False,
+    distributed: Annotated[str | None, typer.Option(help="ray: each stage of a staged OUT in its own Ray actor, its "
+                                                    "caches kept there (pip install 'qwen2om[ray]')")] = None,
+    address: Annotated[str | None, typer.Option(help="with --distributed ray: the Ray head's HOST:PORT, or auto; "
+                                                "default: a local cluster for this run")] = None,
 ) -> None:
     """Perplexity over non-overlapping windows: exp(total NLL / scored tokens)."""
     from qwen2om.evaluate import perplexity
 
     with progress_bar(not as_json) as progress:
         r = perplexity(model, dataset, window=window, max_windows=max_windows,
-                       progress=lambda d, t: progress("windows", d, t), log=note)
+                       progress=lambda d, t: progress("windows", d, t), log=note, distributed=distributed,
+                       address=address)
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
@@ -856,13 +873,18 @@ def eval_agree(
     reference: Annotated[str, typer.Option(help="the float reference: checkpoint or output directory")],
     dataset: DatasetOpt = EVAL_DATASET, window: WindowOpt = 256, max_windows: WindowsOpt = 16,
     as_json: JsonOpt = False,
+    distributed: Annotated[str | None, typer.Option(help="ray: each stage of a staged OUT in its own Ray actor, its "
+                                                    "caches kept there (pip install 'qwen2om[ray]')")] = None,
+    address: Annotated[str | None, typer.Option(help="with --distributed ray: the Ray head's HOST:PORT, or auto; "
+                                                "default: a local cluster for this run")] = None,
 ) -> None:
     """Top-1 agreement and mean KL(reference ‖ model) per position, plus both perplexities."""
     from qwen2om.evaluate import agreement
 
     with progress_bar(not as_json) as progress:
         r = agreement(model, reference, dataset, window=window, max_windows=max_windows,
-                      progress=lambda d, t: progress("windows", d, t), log=note)
+                      progress=lambda d, t: progress("windows", d, t), log=note, distributed=distributed,
+                      address=address)
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
@@ -924,6 +946,7 @@ def plan(
     scheme: Annotated[str | None, typer.Option(help="a float checkpoint's weights counted as if calibrated: "
                                                "w4a16 (symmetric int4, groups of 128) or fp8-block (e4m3fn, "
                                                "128×128 tiles)")] = None,
+    group_size: Annotated[int, typer.Option(help="with --scheme w4a16: input columns sharing one scale")] = 128,
     recipe: Annotated[str | None, typer.Option(help="bundled recipe or YAML file, as convert takes it (its "
                                                "passes decide how weights are stored)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="recipe override key=value (repeatable), as "
@@ -955,7 +978,10 @@ def plan(
                        ("max_seq_len", max_seq_len), ("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
         if value is not None:
             settings[key] = setting(key, value, f"--{key.replace('_', '-')} {value}")
-    p = plan_model(model, settings, recipe=recipe, devices=devices, device_memory=device_memory, scheme=scheme)
+    if group_size != 128 and scheme != "w4a16":
+        raise Qwen2omError("--group-size goes with --scheme w4a16")
+    p = plan_model(model, settings, recipe=recipe, devices=devices, device_memory=device_memory, scheme=scheme,
+                   group=group_size)
     if as_json:
         print(json.dumps(p.to_dict(), indent=2))
         return
@@ -964,8 +990,8 @@ def plan(
                       + (f" {r.soc_version}" if r.soc_version else "") + f" · {r.dtype} · capacity "
                       f"{r.max_seq_len} × batch {r.batch_size} · prefill chunk {r.prefill_chunk}"
                       + (f" · --scheme {p.scheme}" if p.scheme else ""), highlight=False)
-    out_console.print(f"device: {shown(dev.name)}, {gib(dev.memory)} ({shown(dev.source)})", highlight=False,
-                      soft_wrap=True)
+    named = "" if dev.name == "device" else f"{shown(dev.name)}, "
+    out_console.print(f"device: {named}{gib(dev.memory)} ({shown(dev.source)})", highlight=False, soft_wrap=True)
     dtypes = sorted(totals_by_dtype(p.stages), key=lambda k: -totals_by_dtype(p.stages)[k])
     table = Table(title=f"{len(p.stages)} stage(s), one per device; weights by dtype as converted")
     for col in ("stage", "layers", *dtypes, "KV cache", "lin. state", "workspace", "total", "of device"):

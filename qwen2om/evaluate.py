@@ -36,14 +36,15 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 class Scorer:
     """Log-probabilities [T, V] for every position of a window of token ids."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, **engine: Any) -> None:
+        """`engine`: the runtime Engine's arguments for an output directory (distributed, address)."""
         self.path = resolve_model(path)
         self.engine: Any = None
         self.model: Any = None
         if (self.path / MANIFEST).is_file():
             from qwen2om.kernels.ascend import cpu_engine
 
-            self.engine = cpu_engine(self.path)  # Ascend-target outputs run through the reference kernels
+            self.engine = cpu_engine(self.path, **engine)  # Ascend-target outputs run through the reference kernels
         elif (self.path / "config.json").is_file():
             from qwen2om.verify import load_reference
 
@@ -81,6 +82,11 @@ class Scorer:
         for tok in ids[1:]:
             rows.append(e.step([tok] * e.batch)[0])
         return log_softmax(np.stack(rows))
+
+    def close(self) -> None:
+        """Release an output directory's engine (with --distributed ray: its actors)."""
+        if self.engine is not None:
+            self.engine.close()
 
 
 @dataclasses.dataclass
@@ -121,9 +127,19 @@ def nll(logp: np.ndarray, ids: list[int]) -> float:
 
 def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int = 16,
                progress: Callable[[int, int], None] = lambda d, t: None,
-               log: Callable[[str], None] = lambda m: None) -> PplReport:
+               log: Callable[[str], None] = lambda m: None, distributed: str | None = None,
+               address: str | None = None) -> PplReport:
+    """`distributed`/`address`: an output directory's stages as Ray actors (the runtime Engine's arguments)."""
     check_source(dataset)  # a bad --dataset fails before the model loads, not after
-    scorer = Scorer(model)
+    scorer = Scorer(model, distributed=distributed, address=address)
+    try:
+        return score_ppl(scorer, model, dataset, window, max_windows, progress, log)
+    finally:
+        scorer.close()
+
+
+def score_ppl(scorer: Scorer, model: str, dataset: str, window: int, max_windows: int,
+              progress: Callable[[int, int], None], log: Callable[[str], None]) -> PplReport:
     data = windows(dataset, scorer.tokenizer_dir, num_samples=max_windows, seq_len=window)
     notes = [*data.notes, *scorer.window_note(model, window)]
     for n in notes:
@@ -138,11 +154,25 @@ def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int 
 
 def agreement(model: str, reference: str, dataset: str, *, window: int = 256, max_windows: int = 16,
               progress: Callable[[int, int], None] = lambda d, t: None,
-              log: Callable[[str], None] = lambda m: None) -> AgreeReport:
+              log: Callable[[str], None] = lambda m: None, distributed: str | None = None,
+              address: str | None = None) -> AgreeReport:
+    """`distributed`/`address`: output directories' stages as Ray actors (the runtime Engine's arguments)."""
+    check_source(dataset)
+    a = Scorer(model, distributed=distributed, address=address)
+    try:
+        b = Scorer(reference, distributed=distributed, address=address)
+        try:
+            return score_agreement(a, b, model, reference, dataset, window, max_windows, progress, log)
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def score_agreement(a: Scorer, b: Scorer, model: str, reference: str, dataset: str, window: int, max_windows: int,
+                    progress: Callable[[int, int], None], log: Callable[[str], None]) -> AgreeReport:
     from qwen2om.verify import check_same_vocabulary
 
-    check_source(dataset)
-    a, b = Scorer(model), Scorer(reference)
     check_same_vocabulary(a.path, b.path, (model, reference))
     data = windows(dataset, b.tokenizer_dir, num_samples=max_windows, seq_len=window)
     notes = [*data.notes, *a.window_note(model, window), *b.window_note(reference, window)]

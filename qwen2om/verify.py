@@ -341,9 +341,11 @@ def judge_step(logits: np.ndarray, ref_logits: np.ndarray, token: int, tie: floa
 
 def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, prompts: list[str] | None = None,
            loader: str = "exact", check_hashes: bool = True, tolerance: float | None = None,
-           progress: Any = lambda *a: None) -> VerifyReport:
+           progress: Any = lambda *a: None, distributed: str | None = None, address: str | None = None,
+           ) -> VerifyReport:
     """Compare OUT with `reference` on each prompt's greedy tokens. `tolerance`, when given, is the max
-    |Δlogits| allowed (and the tie gap) in place of the dtype's criterion (`judged`)."""
+    |Δlogits| allowed (and the tie gap) in place of the dtype's criterion (`judged`). `distributed` and
+    `address` run OUT's stages as Ray actors (the runtime Engine's arguments)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -352,7 +354,16 @@ def verify(out: Path, reference: str | Path | None = None, *, tokens: int = 32, 
     if tolerance is not None:  # refused before any work, not after the reference ran
         check_tolerance(tolerance)
     # An Ascend-target output runs through the reference kernels; OUT's files checked against its manifest first.
-    engine = cpu_engine(out, check_hashes=check_hashes)
+    engine = cpu_engine(out, check_hashes=check_hashes, distributed=distributed, address=address)
+    try:
+        return compare(engine, out, manifest, reference, tokens, prompts, loader, tolerance, progress)
+    finally:
+        engine.close()  # with --distributed ray: its actors, and the local cluster it started
+
+
+def compare(engine: Engine, out: Path, manifest: dict[str, Any], reference: str | Path, tokens: int,
+            prompts: list[str] | None, loader: str, tolerance: float | None, progress: Any) -> VerifyReport:
+    """`verify`'s comparison, on an open engine."""
     ref_dir = resolve_model(reference)
     if not (ref_dir / "config.json").is_file():
         raise Qwen2omError(f"{ref_dir}: not a checkpoint directory (no config.json) for --reference")
