@@ -38,6 +38,18 @@ def with_om(src: Path, dst: Path, **per_kind: dict) -> Path:
     return dst
 
 
+def staged_with_om(src: Path, dst: Path) -> Path:
+    """A staged conversion `src` (convert --stages) linked into `dst`, each stage folder with_om's."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "stages":
+            (dst / f.name).symlink_to(f)
+    (dst / "stages").mkdir()
+    for folder in sorted((src / "stages").iterdir()):
+        with_om(folder, dst / "stages" / folder.name)
+    return dst
+
+
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeAcl:
     acl = FakeAcl()

@@ -393,18 +393,11 @@ def test_acl_actors_open_their_stage_on_their_device(outs: Callable[[str, int], 
     """Stage k's actor opens the stage's .om files on NPU devices[k]; one id d: d, d+1 on one node (as
     in-process), d on each stage's own node."""
     from fake_acl import FakeAcl
-    from test_acl_backend import with_om
+    from test_acl_backend import staged_with_om
 
     staged = outs("builtin:tiny-qwen3", 2)
     want = logits_of(staged)[1]
-    mirror = tmp_path / "acl"
-    mirror.mkdir()
-    for f in staged.iterdir():
-        if f.name != "stages":
-            (mirror / f.name).symlink_to(f)
-    (mirror / "stages").mkdir()
-    for k in range(2):
-        with_om(staged / f"stages/0{k}", mirror / f"stages/0{k}")
+    mirror = staged_with_om(staged, tmp_path / "acl")
     fake_ray = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
     per_stage = 0

@@ -258,21 +258,14 @@ def test_acl_backend_runs_one_npu_per_stage(outs: Callable[..., Path], tmp_path:
     import sys
 
     from fake_acl import FakeAcl
-    from test_acl_backend import with_om
+    from test_acl_backend import staged_with_om
 
     from qwen2om.runtime.standalone import BackendError, Engine
 
     fake = FakeAcl()
     monkeypatch.setitem(sys.modules, "acl", fake)
     staged = outs("builtin:tiny-qwen3", 2)
-    mirror = tmp_path / "acl"
-    mirror.mkdir()
-    for f in staged.iterdir():
-        if f.name != "stages":
-            (mirror / f.name).symlink_to(f)
-    (mirror / "stages").mkdir()
-    for k in range(2):
-        with_om(staged / f"stages/0{k}", mirror / f"stages/0{k}")
+    mirror = staged_with_om(staged, tmp_path / "acl")
     want = logits_of(staged)[1]
     with Engine(mirror, backend="acl", devices=[3, 5]) as engine:
         assert engine.caches == {}
