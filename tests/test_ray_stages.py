@@ -41,7 +41,7 @@ def outs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]
 
     def get(model: str, stages: int) -> Path:
         if (model, stages) not in done:
-            out = tmp_path_factory.mktemp("ray") / f"{model.removeprefix('builtin:')}-{stages}"
+            out = tmp_path_factory.mktemp("ray") / f"{Path(model.removeprefix('builtin:')).name}-{stages}"
             convert(model, out, ConvertOptions.from_overrides(SMALL, stages=stages or None))
             done[model, stages] = out
         return done[model, stages]
@@ -94,14 +94,19 @@ def free_port() -> int:
 
 
 # -- through Ray, the in-process logits ------------------------------------------------------------------
+W4A16 = "w4a16"  # the llmcompressor_ckpt fixture (conftest.py): llm-compressor's W4A16 tiny-qwen3
 CASES = [("builtin:tiny-qwen3", 2), ("builtin:tiny-qwen3", 3), ("builtin:tiny-qwen3-moe", 2),
-         ("builtin:tiny-qwen3-5", 3)]  # qwen3-5: linear-attention states and KV caches in different actors
+         ("builtin:tiny-qwen3-5", 3),  # qwen3-5: linear-attention states and KV caches in different actors
+         ("builtin:tiny-qwen3-fp8", 2),  # each actor feeds its own stage's FP8 scale inputs
+         (W4A16, 2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "stages"), CASES, ids=[f"{m.removeprefix('builtin:')}-{k}" for m, k in CASES])
 def test_ray_stages_give_the_in_process_logits(outs: Callable[[str, int], Path], cluster: Any, model: str,
-                                               stages: int) -> None:
+                                               stages: int, request: pytest.FixtureRequest) -> None:
+    if model == W4A16:
+        model = str(request.getfixturevalue("llmcompressor_ckpt"))
     staged = outs(model, stages)
     want, want_tokens = logits_of(staged)
     with Engine(staged, distributed="ray") as engine:
