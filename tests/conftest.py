@@ -18,7 +18,7 @@ LLMCOMPRESSOR_W4A16 = Path(__file__).resolve().parent.parent / "fixtures" / "dat
 # Fixtures that convert or calibrate a whole model: a test that takes one belongs to the full lane
 # (`slow`), whatever its own body costs, because in `make test-fast` it would pay for the fixture.
 WHOLE_MODEL_FIXTURES = {"converted", "tiny", "fp8", "engine", "out", "outs", "moe_out", "fp8_out", "reference",
-                        "calibrated", "w4", "qwen2_quantized", "ascend_out", "llmcompressor_ckpt"}
+                        "calibrated", "w4", "qwen2_quantized", "ascend_out", "llmcompressor_ckpt", "staged_outs"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -106,3 +106,26 @@ def llmcompressor_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weight_map["model.embed_tokens.weight"] = "embed.safetensors"
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
+
+
+
+@pytest.fixture(scope="session")
+def staged_outs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`staged_outs(model, stages, *settings)` → an output directory of `convert --stages` (stages 0:
+    unstaged) at capacity 64 and chunk 8, converted once per session (tests/test_stages.py and
+    test_ray_stages.py share them). Tests copy before they change one."""
+    from qwen2om.convert import ConvertOptions, convert
+
+    done: dict[tuple[object, ...], Path] = {}
+
+    def get(model: str, stages: int, *settings: str) -> Path:
+        key = (model, stages, *settings)
+        if key not in done:
+            out = tmp_path_factory.mktemp("staged") / f"{Path(model.removeprefix('builtin:')).name}-{stages}"
+            opts = ConvertOptions.from_overrides(["max_seq_len=64", "prefill_chunk=8", *settings],
+                                                 stages=stages or None)
+            convert(model, out, opts)
+            done[key] = out
+        return done[key]
+
+    return get

@@ -27,26 +27,14 @@ from qwen2om.runtime import standalone
 from qwen2om.runtime.standalone import BackendError, Engine, RuntimeInputError
 
 PROMPT = [9707, 11, 1879, 0, 576, 3974, 13876, 38835, 43, 11, 323, 279, 1156, 220, 17, 13]  # 16 tokens: 2 chunks
-SMALL = ["max_seq_len=64", "prefill_chunk=8"]
 RAY = Path(sys.executable).parent / "ray"
 
 
 # -- fixtures -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def outs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """`outs(model, stages)` → an fp32 output directory, converted once per module (stages 0: unstaged)."""
-    from qwen2om.convert import ConvertOptions, convert
-
-    done: dict[tuple[str, int], Path] = {}
-
-    def get(model: str, stages: int) -> Path:
-        if (model, stages) not in done:
-            out = tmp_path_factory.mktemp("ray") / f"{Path(model.removeprefix('builtin:')).name}-{stages}"
-            convert(model, out, ConvertOptions.from_overrides(SMALL, stages=stages or None))
-            done[model, stages] = out
-        return done[model, stages]
-
-    return get
+@pytest.fixture
+def outs(staged_outs: Callable[..., Path]) -> Callable[..., Path]:
+    """`outs(model, stages)` → an fp32 output directory (stages 0: unstaged), shared with test_stages.py."""
+    return staged_outs
 
 
 @pytest.fixture(scope="module")

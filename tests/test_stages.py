@@ -62,23 +62,9 @@ def test_fewest_stages_and_a_layer_that_fits_nowhere() -> None:
 
 
 # -- staged conversions against the unstaged one ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def outs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`outs(model, stages, *settings)` → an output directory, converted once per module (stages 0: unstaged)."""
-    from qwen2om.convert import ConvertOptions, convert
-
-    done: dict[tuple[object, ...], Path] = {}
-
-    def get(model: str, stages: int, *settings: str) -> Path:
-        key = (model, stages, *settings)
-        if key not in done:
-            out = tmp_path_factory.mktemp("staged") / f"{Path(model).name}-{stages}"
-            opts = ConvertOptions.from_overrides([*SMALL, *settings], stages=stages or None)
-            convert(model, out, opts)
-            done[key] = out
-        return done[key]
-
-    return get
+@pytest.fixture
+def outs(staged_outs: Callable[..., Path]) -> Callable[..., Path]:
+    return staged_outs  # conftest.py: shared with test_ray_stages.py
 
 
 def logits_of(out: Path, steps: int = 6, **kwargs: object) -> tuple[np.ndarray, list[int]]:
