@@ -354,6 +354,10 @@ def run(
     prompt: Annotated[str | None, typer.Option(help="text to continue (default: Hello; with --messages, one more "
                                               "user turn if given)")] = None,
     ids: Annotated[str | None, typer.Option(help="comma-separated token ids instead of --prompt")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help="a text file, one prompt per line, each continued on "
+                                                      "its own (prompt i sampled with seed --seed + i); a staged "
+                                                      "OUT with --distributed ray keeps up to one prompt per stage "
+                                                      "in flight, so the stages work at the same time")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=0, help="stop after this many new tokens")] = 64,
     chat: Annotated[bool, typer.Option("--chat", help="format the prompt as a user turn with the model's chat "
                                        "template (OUT's chat_template.jinja or tokenizer_config.json; ChatML if "
@@ -404,7 +408,8 @@ def run(
             "--backend", backend, "--device", str(device)]
     for flag, value in (("--prompt", prompt), ("--system", system), ("--ids", ids), ("--messages", messages),
                         ("--tools", tools), ("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p),
-                        ("--devices", devices), ("--distributed", distributed), ("--address", address)):
+                        ("--devices", devices), ("--distributed", distributed), ("--address", address),
+                        ("--prompts-file", prompts_file)):
         if value is not None:  # flag=value: a prompt that starts with "-" stays a value
             argv.append(f"{flag}={value}")
     if enable_thinking is not None:

@@ -407,3 +407,31 @@ def test_acl_actors_open_their_stage_on_their_device(outs: Callable[[str, int], 
     assert len(fake_ray.killed) == 6
     with pytest.raises(BackendError, match="--devices names 3 NPUs for 2 stages"):
         Engine(mirror, backend="acl", devices=[0, 1, 2], distributed="ray")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "stages"), [("builtin:tiny-qwen3", 2), ("builtin:tiny-qwen3-5", 3)],
+                         ids=["tiny-qwen3-2", "tiny-qwen3-5-3"])
+def test_several_prompts_in_flight_give_each_prompts_own_tokens(outs: Callable[[str, int], Path], cluster: Any,
+                                                                 model: str, stages: int) -> None:
+    """Micro-batches: up to one prompt per stage in flight, each in its own cache slot of every actor;
+    each prompt's continuation is what it gets alone (greedy and seeded sampling), whatever the mix of
+    prefill chunks and decode steps in a round, and slots are reused as prompts finish."""
+    from qwen2om.runtime.standalone import Sampling
+
+    staged = outs(model, stages)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[5:], [42], PROMPT[::2]]  # 16, 3, 11, 1 and 8 tokens
+
+    def sampled(i: int) -> Sampling:
+        return Sampling(0.8, 20, 0.95, seed=i)
+
+    with Engine(staged) as alone:
+        want = [alone.generate(p, max_new_tokens=9, sampling=sampled(i), ignore_eos=True)[0]
+                for i, p in enumerate(prompts)]
+        want_greedy = [alone.generate(p, max_new_tokens=5, sampling=Sampling(), ignore_eos=True)[0] for p in prompts]
+    with Engine(staged, distributed="ray") as engine:
+        assert engine.generate_many(prompts, max_new_tokens=9, sampling=sampled, ignore_eos=True) == want
+        assert engine.generate_many(prompts, max_new_tokens=5, sampling=lambda i: Sampling(),
+                                    ignore_eos=True) == want_greedy
+        # the engine's own single-sequence path still gives its tokens after the slots were used
+        assert engine.generate(prompts[2], max_new_tokens=5, sampling=Sampling(), ignore_eos=True)[0] == want_greedy[2]

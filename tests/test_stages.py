@@ -288,3 +288,21 @@ def test_run_eval_verify_and_run_py_take_a_staged_out(outs: Callable[..., Path],
     assert said["staged"] == said["whole"]
     code, stdout, err = cli("verify", staged, "--tokens", "8")
     assert code == 0 and "PASS" in stdout, stdout + err
+
+
+def test_run_prompts_file_continues_each_prompt(outs: Callable[..., Path], cli, tmp_path: Path) -> None:
+    staged = outs("builtin:tiny-qwen3", 2)
+    texts = ["Once upon a time", "The capital of France is", "def fib(n):"]
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n\n")
+    code, stdout, err = cli("run", staged, "--prompts-file", tmp_path / "p.txt", "--greedy", "--max-new-tokens", "6",
+                            "--json")
+    assert code == 0, err
+    got = [json.loads(line) for line in stdout.splitlines()]
+    assert [g["prompt"] for g in got] == texts
+    for text, g in zip(texts, got, strict=True):
+        code, one, err = cli("run", staged, "--prompt", text, "--greedy", "--max-new-tokens", "6", "--json")
+        assert json.loads(one)["tokens"] == g["tokens"]
+    code, _, err = cli("run", staged, "--prompts-file", tmp_path / "p.txt", "--prompt", "Hi")
+    assert code == 2 and "--prompts-file gives the prompts" in err
+    code, _, err = cli("run", staged, "--prompts-file", tmp_path / "missing.txt")
+    assert code == 2 and "--prompts-file" in err and "cannot read it" in err

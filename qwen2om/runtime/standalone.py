@@ -480,6 +480,33 @@ STAGED_ROLES = ("ids", "positions", "mask", "hidden_in")  # written by the host 
 HEAD_ROLES = ("logits", "hidden_out")  # what a call returns to the host: logits, or a stage's hidden states
 
 
+def fill_call(buffers: dict[str, np.ndarray], rows: list[list[int]], lengths: np.ndarray, t: int, capacity: int,
+              pad_id: int, mask_min: float) -> list[tuple[int, int, int, int]]:
+    """Write one call's ids, positions and mask into `buffers` (a graph's inputs at `t` tokens): each row's
+    tokens left-padded to `t`, at its current length; returns each row's write (row, first real token,
+    cache position, count) for the append after the call."""
+    ids, pos, mask = buffers["input_ids"], buffers["position_ids"], buffers["attention_mask"]
+    p = capacity
+    ids.fill(pad_id)
+    pos.fill(0)
+    mask.fill(mask_min)
+    writes = []
+    for b, toks in enumerate(rows):
+        n, length = len(toks), int(lengths[b])
+        if length + n > p:
+            raise RuntimeInputError(f"row {b}: {length} cached + {n} new tokens exceed the capacity {p}")
+        pad = t - n
+        writes.append((b, pad, length, n))
+        ids[b, pad:] = toks
+        pos[b, pad:] = np.arange(length, length + n)
+        mask[b, 0, pad:, :length] = 0  # the cached tokens
+        causal = np.tril(np.ones((n, n), dtype=bool))
+        mask[b, 0, pad:, p + pad:][causal] = 0  # the new tokens, causally
+        for i in range(pad):  # pad rows see only themselves: a defined softmax, output discarded
+            mask[b, 0, i, p + i] = 0
+    return writes
+
+
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
@@ -1298,6 +1325,10 @@ class StageActor:
         self.release: Callable[[], None] = lambda: None
         self.error: Exception | None = None
         self.entry = "input_ids"
+        # Micro-batches (Engine.generate_many): slot 0 is `graphs`; each further slot, one more sequence in
+        # flight, gets its own sessions and caches when first used (ORT: the mapped weights are shared).
+        self.slots: dict[int, dict[str, GraphCall]] = {}
+        self.opened = (folder, threads, tuple(providers), backend, spin)
         try:
             path = Path(folder)
             manifest = load_manifest(path)
@@ -1324,17 +1355,29 @@ class StageActor:
                 "node": ray.get_runtime_context().get_node_id(),
                 "graphs": {kind: [g.tokens, list(g.gears)] for kind, g in self.graphs.items()}}
 
-    def apply(self, pending: tuple[str, list] | None) -> None:
+    def slot(self, slot: int) -> dict[str, GraphCall]:
+        if slot == 0:
+            return self.graphs
+        if slot not in self.slots:
+            folder, threads, providers, backend, spin = self.opened
+            if backend != "ort":
+                raise BackendError("micro-batches (several sequences in flight) need the ORT backend: on an NPU "
+                                   "each would load the stage's .om again, weights included")
+            path = Path(folder)
+            self.slots[slot], _ = open_ort_graphs(path, load_manifest(path), threads, providers, spin=spin)
+        return self.slots[slot]
+
+    def apply(self, pending: tuple[str, list] | None, slot: int = 0) -> None:
         if pending is not None:
             kind, writes = pending
-            self.graphs[kind].append(writes)
+            self.slot(slot)[kind].append(writes)
 
     def call(self, pending: tuple[str, list] | None, kind: str, t: int, shared: dict[str, np.ndarray],
-             x: np.ndarray) -> np.ndarray:
+             x: np.ndarray, slot: int = 0) -> np.ndarray:
         """This stage's part of one call: `x` is the token ids (stage 0) or the hidden states of the stage
-        before; returns its hidden states, or (last stage) the logits."""
-        self.apply(pending)
-        g = self.graphs[kind]
+        before; returns its hidden states, or (last stage) the logits. `slot`: which sequence in flight."""
+        self.apply(pending, slot)
+        g = self.slot(slot)[kind]
         ins = g.inputs(t)
         for name, value in shared.items():
             np.copyto(ins[name], value)
@@ -1343,6 +1386,11 @@ class StageActor:
 
     def append(self, pending: tuple[str, list] | None) -> None:
         self.apply(pending)
+
+    def clear_slot(self, slot: int) -> None:
+        """A new sequence in `slot`: its linear-attention states zeroed (its caches' stale slots are masked)."""
+        for g in self.slot(slot).values():
+            g.clear_states()
 
     def clear_states(self, pending: tuple[str, list] | None) -> None:
         self.apply(pending)
@@ -1401,16 +1449,22 @@ class _RayStages:
 
     def call(self, kind: str, t: int, inputs: dict[str, np.ndarray]) -> np.ndarray:
         pending, self.pending = self.pending, None
+        refs = self.submit(kind, t, inputs, pending)
+        unchecked, self.unchecked = self.unchecked, []
+        return self.get([*unchecked, *refs], "answer")[-1]
+
+    def submit(self, kind: str, t: int, inputs: dict[str, np.ndarray], pending: tuple[str, list] | None,
+               slot: int = 0) -> list[tuple[int, Any]]:
+        """Send one call down the stages without waiting: (stage, ObjectRef) of each stage's task."""
         shared: Any = {name: inputs[name] for name in SHARED_INPUTS}
         if sum(v.nbytes for v in shared.values()) > RAY_INLINE_BYTES:  # a prefill's mask: stored once for all stages
             shared = self.ray.put(shared)
         x, refs = inputs["input_ids"], []
         with self.submitting():
             for k, actor in enumerate(self.actors):
-                x = actor.call.remote(pending, kind, t, shared, x)
+                x = actor.call.remote(pending, kind, t, shared, x, slot)
                 refs.append((k, x))
-        unchecked, self.unchecked = self.unchecked, []
-        return self.get([*unchecked, *refs], "answer")[-1]
+        return refs
 
     def broadcast(self, method: str, *args: Any) -> None:
         pending, self.pending = self.pending, None
@@ -1511,6 +1565,75 @@ class _RayChain:
 
     def write_state(self, name: str, value: np.ndarray) -> None:
         self.stages.broadcast("write_state", name, np.ascontiguousarray(value))
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One prompt in flight through the stage actors (Engine.generate_many): its calls still to make
+    (prefill chunks), its cache length, the appends its last call owes the actors, what it generated."""
+
+    index: int
+    calls: list[tuple[str, list[int]]]
+    sampling: Sampling
+    length: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    pending: tuple[str, list] | None = None
+    out: list[int] = dataclasses.field(default_factory=list)
+
+
+def pipelined(engine: Engine, prompts: list[list[int]], *, max_new_tokens: int,
+              sampling: Callable[[int], Sampling], ignore_eos: bool) -> list[list[int]]:
+    """Greedy or sampled continuations of `prompts` through a staged OUT's Ray actors, up to one prompt
+    per stage in flight (micro-batches): each round sends every sequence's next call down the stages
+    before waiting for any, and Ray runs each actor's tasks in the order sent, so stage 1 works on one
+    sequence while stage 0 works on the next. Each sequence has its own caches in every actor (slots)."""
+    chains = {kind: g for kind, g in engine.graphs.items() if isinstance(g, _RayChain)}
+    stages = next(iter(chains.values())).stages
+    slots = min(len(prompts), len(stages.actors))
+    specs = engine.stages[0][1]["graphs"]
+    # each slot its own host buffers for ids, positions and mask (a call's are read when it is sent)
+    buffers = {slot: {kind: _RayChain(stages, kind, specs[kind], g.tokens, g.gears) for kind, g in chains.items()}
+               for slot in range(slots)}
+    stages.pending = None  # the engine was reset: appends owed by its last call are void
+    results: list[list[int]] = [[] for _ in prompts]
+    queue = list(range(len(prompts)))
+    flight: dict[int, _Sequence] = {}
+
+    def start(slot: int) -> None:
+        i = queue.pop(0)
+        kind, chunks = engine.prefill_calls([prompts[i]])
+        flight[slot] = _Sequence(i, [(kind, rows[0]) for rows in chunks], sampling(i))
+        stages.unchecked += [(k, a.clear_slot.remote(slot)) for k, a in enumerate(stages.actors)]
+
+    for slot in range(slots):
+        start(slot)
+    while flight:
+        sent = []
+        for slot, seq in flight.items():
+            kind, toks = seq.calls.pop(0)
+            g = buffers[slot][kind]
+            t = pick_gear(g.gears, len(toks), kind)
+            writes = fill_call(g.inputs(t), [toks], seq.length, t, engine.capacity, engine.pad_id, engine.mask_min)
+            sent.append((slot, stages.submit(kind, t, g.inputs(t), seq.pending, slot)))
+            seq.pending = (kind, [tuple(int(v) for v in w) for w in writes if w[3]])
+            seq.length += len(toks)
+        unchecked, stages.unchecked = stages.unchecked, []
+        stages.get(unchecked, "answer")
+        for slot, refs in sent:
+            seq = flight[slot]
+            logits = stages.get(refs, "answer")[-1]
+            if seq.calls:  # more prefill chunks to go
+                continue
+            tok = seq.sampling.pick(logits[0, -1])
+            seq.out.append(tok)
+            if (tok in engine.eos and not ignore_eos) or len(seq.out) >= max_new_tokens \
+                    or seq.length[0] >= engine.capacity:
+                results[seq.index] = seq.out
+                del flight[slot]
+                if queue:
+                    start(slot)
+                continue
+            seq.calls.append(("decode", [tok]))
+    return results
 
 
 def open_ray(engine: Engine, *, address: str | None = None, threads: int = 0, providers: Sequence[str] = (),
@@ -1684,26 +1807,8 @@ class Engine:
         """Feed each row's tokens (left-padded to the smallest gear that holds the longest row) at its
         current length; return logits [B, Tl, V]."""
         g = self.graphs[kind]
-        t, p = pick_gear(g.gears, max(len(r) for r in rows), kind), self.capacity
-        buffers = g.inputs(t)
-        ids, pos, mask = buffers["input_ids"], buffers["position_ids"], buffers["attention_mask"]
-        ids.fill(self.pad_id)
-        pos.fill(0)
-        mask.fill(self.mask_min)
-        writes = []
-        for b, toks in enumerate(rows):
-            n, length = len(toks), int(self.lengths[b])
-            if length + n > p:
-                raise RuntimeInputError(f"row {b}: {length} cached + {n} new tokens exceed the capacity {p}")
-            pad = t - n
-            writes.append((b, pad, length, n))
-            ids[b, pad:] = toks
-            pos[b, pad:] = np.arange(length, length + n)
-            mask[b, 0, pad:, :length] = 0  # the cached tokens
-            causal = np.tril(np.ones((n, n), dtype=bool))
-            mask[b, 0, pad:, p + pad:][causal] = 0  # the new tokens, causally
-            for i in range(pad):  # pad rows see only themselves: a defined softmax, output discarded
-                mask[b, 0, i, p + i] = 0
+        t = pick_gear(g.gears, max(len(r) for r in rows), kind)
+        writes = fill_call(g.inputs(t), rows, self.lengths, t, self.capacity, self.pad_id, self.mask_min)
         logits = g.run(t)
         g.append([w for w in writes if w[3]])
         for b, toks in enumerate(rows):
@@ -1722,6 +1827,18 @@ class Engine:
                 raise RuntimeInputError(
                     f"prompt of {len(toks)} tokens does not fit the cache capacity {self.capacity} "
                     "(convert with a larger --max-seq-len, or pass --truncate)")
+        last = np.zeros((self.batch, self.vocab), dtype=np.float32)
+        kind, chunks = self.prefill_calls(prompts)
+        for rows in chunks:
+            active = [b for b, r in enumerate(rows) if r]
+            logits = self._call(kind, rows)
+            for b in active:
+                last[b] = logits[b, -1]
+        return last
+
+    def prefill_calls(self, prompts: list[list[int]]) -> tuple[str, list[list[list[int]]]]:
+        """The graph kind and the calls (each a row per prompt) that prefill `prompts`: chunks of the
+        largest gear, the first the remainder, so every chunk's last row is a real token."""
         kind = "prefill" if "prefill" in self.graphs else "decode"
         longest = max(len(t) for t in prompts)
         # A prefill call costs its whole (smallest) chunk whatever the prompt: a 2-token prompt took
@@ -1731,18 +1848,15 @@ class Engine:
             kind = "decode"
         c = max(self.graphs[kind].gears)
         chunks = -(-longest // c)
-        last = np.zeros((self.batch, self.vocab), dtype=np.float32)
+        calls = []
         for k in range(chunks):
             # Chunk k covers positions [end - (chunks - k) * c, ...) counted back from each row's end.
             rows = []
             for toks in prompts:
                 hi = len(toks) - (chunks - 1 - k) * c
                 rows.append(toks[max(hi - c, 0):max(hi, 0)])
-            active = [b for b, r in enumerate(rows) if r]
-            logits = self._call(kind, rows)
-            for b in active:
-                last[b] = logits[b, -1]
-        return last
+            calls.append(rows)
+        return kind, calls
 
     def step(self, tokens: list[int]) -> np.ndarray:
         """One decode step: one token per row; returns logits [B, V]."""
@@ -1805,6 +1919,27 @@ class Engine:
         stats.decode_s = time.perf_counter() - t1
         stats.new_tokens = len(out)
         return out, stats
+
+
+    def generate_many(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: Callable[[int], Sampling],
+                      ignore_eos: bool = False) -> list[list[int]]:
+        """Each prompt's continuation, as `generate` gives it (`sampling(i)`: prompt i's sampler). A staged
+        OUT run with --distributed ray keeps up to one prompt per stage in flight (micro-batches), so its
+        stages work at the same time; otherwise the prompts run one after another."""
+        if max_new_tokens < 1:
+            return [[] for _ in prompts]
+        staged = isinstance(self.graphs.get("decode"), _RayChain) and len(self.stages) > 1 and self.batch == 1
+        if not staged or len(prompts) < 2:
+            return [self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling(i), ignore_eos=ignore_eos)[0]
+                    for i, ids in enumerate(prompts)]
+        for ids in prompts:
+            if not ids:
+                raise RuntimeInputError("a prompt is empty: there is nothing to continue")
+            self.check_ids(ids)
+            if len(ids) > self.capacity:
+                raise RuntimeInputError(f"prompt of {len(ids)} tokens does not fit the cache capacity {self.capacity}")
+        self.reset()
+        return pipelined(self, prompts, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos)
 
 
 class TextStream:
@@ -1870,6 +2005,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     # None, not "Hello": with --messages, a --prompt given is one more user turn, and none is added otherwise.
     p.add_argument("--prompt", default=None, help="text to continue (default: Hello)")
     p.add_argument("--ids", default=None, help="comma-separated token ids instead of --prompt")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="a text file, one prompt per line, each continued on its own (prompt i sampled with seed "
+                        "--seed + i); a staged OUT run with --distributed ray keeps up to one prompt per stage in "
+                        "flight, so the stages work at the same time")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true",
                    help="format the prompt as a user turn with the model's chat template (ChatML if it has none)")
@@ -1921,6 +2060,37 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="check every file's sha256 against manifest.json before loading (sizes are always checked)")
 
 
+def read_prompts(path: Path) -> list[str]:
+    """--prompts-file: its non-empty lines, each a prompt (\\n in a line stands for a line break)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RuntimeInputError(f"--prompts-file {path}: cannot read it ({printable(str(e))[:200]})") from None
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise RuntimeInputError(f"--prompts-file {path}: no prompts (one per line)")
+    return prompts
+
+
+def run_prompts(engine: Engine, texts: list[str], a: argparse.Namespace, sampling: Sampling) -> int:
+    """--prompts-file: every prompt continued (Engine.generate_many), printed in order."""
+    ids = [engine.fit(engine.encode(t), a.max_new_tokens, a.truncate) for t in texts]
+    t0 = time.perf_counter()
+    outs = engine.generate_many(ids, max_new_tokens=a.max_new_tokens, ignore_eos=a.ignore_eos,
+                                sampling=lambda i: dataclasses.replace(sampling, seed=sampling.seed + i))
+    seconds = time.perf_counter() - t0
+    for i, (text, out) in enumerate(zip(texts, outs, strict=True)):
+        if a.json:
+            print(json.dumps({"prompt": text, "prompt_ids": ids[i], "tokens": out,
+                              "text": engine.tokenizer.decode(out)}))
+        else:
+            print(f"--- prompt {i + 1}: {printable(one_line(text, 80))}\n{engine.tokenizer.decode(out)}")
+    total = sum(map(len, outs))
+    print(f"[{len(texts)} prompts, {total} new tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tok/s)]",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> int:
     p = argparse.ArgumentParser(description="Generate text with a qwen2om-compiled model (ONNX Runtime or pyACL).")
     if model_dir is None:
@@ -1951,6 +2121,11 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
     if a.print_prompt and ids is not None:
         print("error: --print-prompt shows the prompt text; --ids gives token ids, not text", file=sys.stderr)
         return 2
+    if a.prompts_file is not None and (a.prompt is not None or ids is not None or a.messages is not None
+                                       or a.print_prompt):
+        print("error: --prompts-file gives the prompts: leave out --prompt, --ids, --messages and --print-prompt",
+              file=sys.stderr)
+        return 2
     # A system message, tools, a history or a thinking switch exist only in the chat format: each implies --chat.
     chat = a.chat or any(v is not None for v in (a.system, a.messages, a.tools, a.enable_thinking))
     directory = Path(model_dir or a.model_dir)
@@ -1973,8 +2148,16 @@ def main(argv: Sequence[str] | None = None, model_dir: Path | None = None) -> in
             sys.stdout.write(text or "")
             sys.stdout.flush()
             return 0
+        if a.prompts_file is not None:
+            texts = read_prompts(a.prompts_file)
+            if chat:
+                tools = None if a.tools is None else read_json_list(a.tools, "--tools")
+                texts = [chat_prompt(directory, conversation(t, a.system, None, ""), tools, a.enable_thinking,
+                                     lambda s: print(s, file=sys.stderr)) for t in texts]
         engine = Engine(directory, threads=a.threads, backend=a.backend, device=a.device,
                         check_hashes=a.check_hashes, devices=devices, distributed=a.distributed, address=a.address)
+        if a.prompts_file is not None:
+            return run_prompts(engine, texts, a, sampling)
         ids = ids if ids is not None else engine.encode(text or "")
         ids = engine.fit(ids, a.max_new_tokens, a.truncate)
         stream = TextStream(engine.tokenizer, lambda s: print(s, end="", flush=True))
