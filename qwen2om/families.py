@@ -47,6 +47,11 @@ class TensorNames:
     FUSED: ClassVar[re.Pattern[str]] = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)_proj$")
     STACK: ClassVar[re.Pattern[str]] = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)$")
     FUSED_SUFFIXES: ClassVar[tuple[str, ...]] = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    ANY_EXPERT: ClassVar[re.Pattern[str]] = re.compile(r"\.mlp\.experts\.(\d+\.|gate_up_proj$|down_proj$)")
+
+    def is_expert_tensor(self, name: str) -> bool:
+        """Any stored tensor of the routed experts: one expert's (a weight, its scales) or a fused stack."""
+        return bool(self.ANY_EXPERT.search(name))
 
     def layer(self, i: int) -> str:
         """Decoder layer `i`'s module: `model.layers.3`."""

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from qwen2om.arch import EMBED, ArchSpec, ModelDims, expected_tensors, quantizable
 from qwen2om.errors import Qwen2omError, RecipeError
+from qwen2om.families import QWEN_NAMES
 from qwen2om.quantized import Fp8Weight, Int4Weight, QuantWeight
 from qwen2om.stages import fewest_stages, gib, split_layers, stage_totals
 
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 COMPUTE = {"fp16": ("float16", 2), "fp32": ("float32", 4)}
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-EXPERT = re.compile(r"\.mlp\.experts\.(\d+\.|gate_up_proj$|down_proj$)")
 # `--scheme`: what `calibrate` would write from a float checkpoint (qwen2om/quant/schemes.py defaults).
 SCHEME_GROUP = 128  # w4a16: symmetric int4, groups of 128 along K
 FP8_BLOCK = (128, 128)  # fp8-block: e4m3fn in 128×128 tiles
@@ -230,7 +230,7 @@ def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *
     for name, shape in table.items():
         q = quantized.get(name)
         m = LAYER.match(name)
-        expert = bool(EXPERT.search(name))
+        expert = QWEN_NAMES.is_expert_tensor(name)
         b = stored_bytes(shape, q, expert, s, qmoe=bool(m) and int(m.group(1)) in qmoe)
         if q is not None and not expert and (q.kind == "fp8" and s.fp8 != "float" or s.int4 == "w8a16"):
             largest_dequant = max(largest_dequant, q.n * q.k)

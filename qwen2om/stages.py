@@ -18,6 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from qwen2om.arch import EMBED
 from qwen2om.errors import RecipeError
 
 STAGES_DIR = "stages"
@@ -58,7 +59,7 @@ class Stage:
         layers' tensors, the embedding in the first (and in the last when tied), the rest in the last."""
         if m := LAYER.match(name):
             return int(m.group(1)) in self.layers
-        if name.startswith("model.embed_tokens."):
+        if name == EMBED:
             return self.first or (tied and self.last)
         return self.last
 
