@@ -92,8 +92,8 @@ def dynamic_shapes(inputs: list[IOSpec], gears: Sequence[int]) -> list[Any]:
 
 def name_token_dim(model: ir.Model) -> int:
     """Rename the exporter's symbol for T (`s69`, `s69 + 256`) to `T` in every shape; returns how many dims."""
-    ids = model.graph.inputs[0].shape
-    sym = ids[1] if ids is not None and len(ids) == 2 else None
+    ids = model.graph.inputs[0].shape  # input_ids [B, T], or a pipeline stage's hidden_in [B, T, hidden]
+    sym = ids[1] if ids is not None and len(ids) in (2, 3) else None
     if not isinstance(sym, ir.SymbolicDim) or not sym.value:
         return 0
     pattern, n = re.compile(rf"\b{re.escape(sym.value)}\b"), 0

@@ -11,10 +11,11 @@ import pytest
 from qwen2om import signature
 from qwen2om.arch import ModelDims
 from qwen2om.runtime import standalone
+from qwen2om.stages import Stage
 
 RUNTIME_ROLES = {*standalone.PAST_ROLES, *standalone.PRESENT_ROLES, *standalone.CACHE_ROLES,
-                 *standalone.STATE_ROLES, *standalone.PRESENT_STATE_ROLES, "ids", "mask", "positions", "logits",
-                 "scale"}
+                 *standalone.STATE_ROLES, *standalone.PRESENT_STATE_ROLES, *standalone.HIDDEN_ROLES, "ids", "mask",
+                 "positions", "logits", "scale"}
 
 
 def test_the_runtime_knows_every_role_and_no_other() -> None:
@@ -24,9 +25,12 @@ def test_the_runtime_knows_every_role_and_no_other() -> None:
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-5"])
 @pytest.mark.parametrize(("tokens", "logits_t"), [(1, 1), (16, 1), (16, 16)])
-def test_shape_at_grows_the_axes_token_axes_names(checkpoint, name: str, tokens: int, logits_t: int) -> None:
+@pytest.mark.parametrize("stage", [None, Stage(1, 3, 1, 2)], ids=["whole", "middle-stage"])
+def test_shape_at_grows_the_axes_token_axes_names(checkpoint, name: str, tokens: int, logits_t: int,
+                                                  stage: Stage | None) -> None:
     dims = ModelDims.from_config(json.loads((checkpoint(name) / "config.json").read_text()))
-    inputs, outputs = signature.graph_io(dims, batch=2, t=tokens, capacity=64, dtype="float16", logits_t=logits_t)
+    inputs, outputs = signature.graph_io(dims, batch=2, t=tokens, capacity=64, dtype="float16", logits_t=logits_t,
+                                         stage=stage)
     for spec in inputs + outputs:
         io = spec.to_dict()
         axes = signature.token_axes(spec.role, spec.shape, tokens)

@@ -306,3 +306,13 @@ def test_run_prompts_file_continues_each_prompt(outs: Callable[..., Path], cli, 
     assert code == 2 and "--prompts-file gives the prompts" in err
     code, _, err = cli("run", staged, "--prompts-file", tmp_path / "missing.txt")
     assert code == 2 and "--prompts-file" in err and "cannot read it" in err
+
+
+def test_staged_gears_give_the_unstaged_gears_logits(outs: Callable[..., Path]) -> None:
+    """Prefill gears (a symbolic token axis): each stage's hidden_in/hidden_out grow with the call's gear."""
+    whole, staged = outs("builtin:tiny-qwen3", 0, "gears=4,8"), outs("builtin:tiny-qwen3", 2, "gears=4,8")
+    m = json.loads((staged / "stages" / "01" / "manifest.json").read_text())
+    assert m["graphs"]["prefill"]["gears"] == [4, 8]
+    want, want_tokens = logits_of(whole)
+    got, got_tokens = logits_of(staged)  # PROMPT: a chunk of 8, then 8 more; decode: T = 1
+    assert np.abs(got - want).max() <= 1e-6 and got_tokens == want_tokens

@@ -74,6 +74,8 @@ CACHE_ROLES = ("cache_key", "cache_value")
 # Hybrids' linear-attention layers: whole states in, whole updated states out, copied back per row.
 STATE_ROLES = ("conv_state", "recurrent_state")
 PRESENT_STATE_ROLES = ("present_conv_state", "present_recurrent_state")
+# Pipeline stages (convert --stages): hidden states [B, T, hidden] in from the stage before, out to the next.
+HIDDEN_ROLES = ("hidden_in", "hidden_out")
 
 
 # C0/C1 controls (ESC starts terminal sequences) and the bidirectional overrides ("Trojan Source"):
@@ -476,8 +478,8 @@ ACL_MEM_MALLOC_HUGE_FIRST = 0
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_DYNAMIC_TENSOR_NAME = "ascend_mbatch_shape_data"
-STAGED_ROLES = ("ids", "positions", "mask", "hidden_in")  # written by the host before every call
-HEAD_ROLES = ("logits", "hidden_out")  # what a call returns to the host: logits, or a stage's hidden states
+STAGED_ROLES = ("ids", "positions", "mask", HIDDEN_ROLES[0])  # written by the host before every call
+HEAD_ROLES = ("logits", HIDDEN_ROLES[1])  # what a call returns to the host: logits, or a stage's hidden states
 
 
 def fill_call(buffers: dict[str, np.ndarray], rows: list[list[int]], lengths: np.ndarray, t: int, capacity: int,
@@ -516,6 +518,8 @@ def shape_at(io: dict, t: int, tokens: int) -> list[int]:
     s = list(io["shape"])
     if io["role"] in ("ids", "positions"):
         s[-1] = t
+    elif io["role"] in HIDDEN_ROLES:  # a pipeline stage's hidden states [B, T, hidden]
+        s[1] = t
     elif io["role"] == "mask":  # [B, 1, T, P + T]
         s[-2], s[-1] = t, s[-1] - tokens + t
     elif io["role"] in PRESENT_ROLES:  # [B, H, T, D]
