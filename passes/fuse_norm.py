@@ -29,6 +29,7 @@ import onnx_ir as ir
 from qwen2om.families import QWEN_NAMES
 from qwen2om.graph_rewrite import MS_DOMAIN
 from qwen2om.pipeline import ConvertState, PassResult, RunContext, register
+from qwen2om.signature import HIDDEN_IN
 
 NORM = QWEN_NAMES.norm_scope_re()
 PATTERN = ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul"]
@@ -74,7 +75,7 @@ class FuseNorm:
         pow_, mean, add_eps, sqrt, div, mul = nodes
         s = pow_.inputs[0]
         residual = s.producer() if s is not None else None
-        if s is not None and residual is None and s.is_graph_input() and s.dtype == ir.DataType.FLOAT:
+        if s is not None and residual is None and s.name == HIDDEN_IN and s.dtype == ir.DataType.FLOAT:
             a, b = s, zeros_like(graph, s, pow_, scope)  # a stage's hidden_in: the sum the stage before made
         elif residual is None or residual.op_type != "Add" or residual.domain not in ("", "ai.onnx"):
             return False

@@ -973,17 +973,19 @@ def plan(
     Exit codes: 0 = the plan fits; 2 = it cannot (the stage that does not fit is named with its bytes)
     or bad input."""
     from qwen2om.planner import WORKSPACE_HOW, dtype_summary, plan_model, totals_by_dtype
+    from qwen2om.quant.schemes import SCHEMES, W4A16
     from qwen2om.recipe import parse_overrides, setting
     from qwen2om.stages import gib
+    from qwen2om.targets import TARGETS
 
     settings = parse_overrides(set_ or [])
-    if soc_version is not None and target is None:
-        target = "ascend"
+    if soc_version is not None and target is None:  # the target whose chips it names
+        target = next(t.name for t in TARGETS if t.socs)
     for key, value in (("target", target), ("soc_version", soc_version), ("dtype", dtype),
                        ("max_seq_len", max_seq_len), ("batch_size", batch_size), ("prefill_chunk", prefill_chunk)):
         if value is not None:
             settings[key] = setting(key, value, f"--{key.replace('_', '-')} {value}")
-    if group_size != 128 and scheme != "w4a16":
+    if group_size != W4A16.defaults["group_size"] and (scheme is None or SCHEMES.get(scheme) is not W4A16):
         raise Qwen2omError("--group-size goes with --scheme w4a16")
     p = plan_model(model, settings, recipe=recipe, devices=devices, device_memory=device_memory, scheme=scheme,
                    group=group_size)

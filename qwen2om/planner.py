@@ -45,8 +45,10 @@ from typing import TYPE_CHECKING, Any
 from qwen2om.arch import EMBED, ArchSpec, ModelDims, expected_tensors, quantizable
 from qwen2om.errors import Qwen2omError, RecipeError
 from qwen2om.families import QWEN_NAMES
+from qwen2om.quant.schemes import SCHEMES, W4A16
 from qwen2om.quantized import Fp8Weight, Int4Weight, QuantWeight
 from qwen2om.stages import fewest_stages, gib, split_layers, stage_totals
+from qwen2om.targets import TARGETS
 
 if TYPE_CHECKING:
     from qwen2om.checkpoint import Checkpoint, ModelConfig
@@ -58,7 +60,6 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # `--scheme`: what `calibrate` would write from a float checkpoint (qwen2om/quant/schemes.py defaults).
 SCHEME_GROUP = 128  # w4a16: symmetric int4, groups of 128 along K
 FP8_BLOCK = (128, 128)  # fp8-block: e4m3fn in 128×128 tiles
-SCHEMES = ("w4a16", "fp8-block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +188,10 @@ def hypothetical(arch: ArchSpec, table: Mapping[str, tuple[int, ...]], scheme: s
     groups of `group`, compressed-tensors; fp8-block: e4m3fn in 128×128 tiles): every 2-D weight the
     architecture quantises (never embeddings, norms, routers, the LM head). A group that does not divide
     a weight's K is refused as calibrate refuses it."""
-    if scheme not in SCHEMES:
-        raise RecipeError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if scheme not in SCHEMES.names():
+        raise RecipeError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES.names())}")
     names = [n for n, shape in table.items() if len(shape) == 2 and quantizable(arch, n)]
-    if scheme == "w4a16":
+    if SCHEMES.get(scheme) is W4A16:
         if bad := [(n, table[n][1]) for n in names if table[n][1] % group]:
             fits = [g for g in (16, 32, 64, 128, 256) if all(table[n][1] % g == 0 for n in names)]
             hint = f"plan with --group-size {max(fits)}" if fits else "no power-of-two group ≥ 16 fits every weight"
@@ -218,8 +219,8 @@ def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *
             raise RecipeError(f"--scheme {scheme}: this checkpoint is already quantised ({', '.join(kinds)}); "
                               "plan it as it is, without --scheme")
         quantized = hypothetical(arch, table, scheme, group)
-        what = (f"symmetric int4 in groups of {group}, scales as the target stores them" if scheme == "w4a16"
-                else "e4m3fn in 128×128 tiles with float32 scales")
+        what = (f"symmetric int4 in groups of {group}, scales as the target stores them"
+                if SCHEMES.get(scheme) is W4A16 else "e4m3fn in 128×128 tiles with float32 scales")
         notes.append(f"--scheme {scheme}: bytes estimated as if calibrated ({len(quantized)} weights {what}); "
                      "the checkpoint itself is float")
     qmoe = {i for i in d.sparse if s.int4_experts == "qmoe" and _qmoe_layer(quantized, d, i)}
@@ -250,7 +251,7 @@ def model_bytes(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *
                          "W8A16 (int8 storage, twice int4's bytes), which convert writes with "
                          "--set weight_storage=int8")
         if d.sparse and (s.int4_experts == "float" or (s.int4_experts == "qmoe" and len(qmoe) < len(d.sparse))):
-            why = ("lower_int4_ascend lowers linears, not expert stacks" if r.target == "ascend" else
+            why = ("lower_int4_ascend lowers linears, not expert stacks" if TARGETS.get(r.target).socs else
                    "the recipe has neither fuse_moe's QMoE nor lower_int4 {experts: true}"
                    if s.int4_experts == "float" else "not QMoE-eligible: asymmetric, msModelSlim or mixed groups")
             notes.append(f"int4 MoE experts are dequantised into {s.compute} stacks at conversion ({why}): counted so")
@@ -521,7 +522,7 @@ def plan(model: ModelConfig, r: Recipe, ckpt: Checkpoint | None = None, *, devic
     notes = list(mb.notes)
     if device.note:
         notes.append(device.note)
-    if r.target == "ascend":
+    if TARGETS.get(r.target).device_backend:
         notes.append("the ACL runtime loads the decode and prefill .om files separately, each with its weights "
                      "(qwen2om/runtime/standalone.py, open_acl): until they share one copy, a device holds the "
                      "weights twice; the plan counts them once")

@@ -22,6 +22,7 @@ ROLE_CACHE_KEY, ROLE_CACHE_VALUE = "cache_key", "cache_value"
 # Pipeline stages (qwen2om/stages.py): a stage after the first takes the hidden states [B, T, hidden] the
 # stage before it returns, in place of the ids; a stage before the last returns them in place of logits.
 ROLE_HIDDEN_IN, ROLE_HIDDEN_OUT = "hidden_in", "hidden_out"
+HIDDEN_IN, HIDDEN_OUT = "hidden_in", "hidden_out"  # their names in the graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +72,12 @@ def graph_io(d: ModelDims, *, batch: int, t: int, capacity: int, dtype: str,
     stage = stage or Stage.whole(d.layers)
     inputs = [
         IOSpec("input_ids", "int64", (batch, t), ROLE_IDS) if stage.first else
-        IOSpec("hidden_in", dtype, (batch, t, d.hidden), ROLE_HIDDEN_IN),
+        IOSpec(HIDDEN_IN, dtype, (batch, t, d.hidden), ROLE_HIDDEN_IN),
         IOSpec("attention_mask", dtype, (batch, 1, t, capacity + t), ROLE_MASK),
         IOSpec("position_ids", "int64", (batch, t), ROLE_POSITIONS),
     ]
     outputs = [IOSpec("logits", "float32", (batch, logits_t, d.vocab), ROLE_LOGITS) if stage.last else
-               IOSpec("hidden_out", dtype, (batch, t, d.hidden), ROLE_HIDDEN_OUT)]
+               IOSpec(HIDDEN_OUT, dtype, (batch, t, d.hidden), ROLE_HIDDEN_OUT)]
     for i in stage.layers:
         if d.is_linear(i):
             conv = (batch, d.conv_kernel - 1, d.conv_dim)
