@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.resources
 import json
 import math
 import re
@@ -36,7 +37,7 @@ from qwen2om.convert import choose_recipe, read_config
 from qwen2om.errors import Qwen2omError
 from qwen2om.fixtures.fp8 import LINEAR
 from qwen2om.fixtures.layouts import QWEN3_5_35B_A3B, unfuse_experts
-from qwen2om.fixtures.synthetic import write_synthetic_checkpoint
+from qwen2om.fixtures.synthetic import TensorSpec, write_header_only_shards, write_synthetic_checkpoint
 from qwen2om.planner import Plan, Storage, plan
 from qwen2om.stages import gib
 
@@ -88,35 +89,11 @@ def fp8_table(table: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[i
 
 
 def write_header_only(dest: Path, table: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Safetensors shards with real headers and sparse (hole) data areas, and their index."""
-    size = {"BF16": 2, "F8_E4M3": 1}
-    shards: list[list[str]] = [[]]
-    total = 0
-    for name, (dtype, shape) in table.items():
-        nbytes = math.prod(shape) * size[dtype]
-        if shards[-1] and total + nbytes > SHARD:
-            shards.append([])
-            total = 0
-        shards[-1].append(name)
-        total += nbytes
-    weight_map = {}
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name in names:
-            dtype, shape = table[name]
-            nbytes = math.prod(shape) * size[dtype]
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            weight_map[name] = fname
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(dest / fname, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            f.truncate(8 + len(raw) + offset)
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    """Safetensors shards with real headers and sparse (hole) data areas, and their index
+    (fixtures/synthetic.write_header_only_shards, with the FP8 weights' own dtype)."""
+    specs = [TensorSpec(name, shape, "matrix") for name, (_, shape) in table.items()]
+    index = write_header_only_shards(dest, specs, SHARD, dtypes={n: d for n, (d, _) in table.items()})
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def write_fp8(dest: Path) -> Path:
@@ -145,7 +122,7 @@ def run(row: Row, path: Path, settings: dict[str, Any], recipes: Path) -> Plan:
     cfg = read_config(path)
     recipe = None
     if row.what_if == "fp8-experts":
-        text = (Path(__file__).resolve().parents[1] / "recipes" / "ascend.yaml").read_text()
+        text = (importlib.resources.files("qwen2om.recipes") / "ascend.yaml").read_text(encoding="utf-8")
         recipe_file = recipes / "ascend-fp8-experts.yaml"
         recipe_file.write_text(re.sub(r"lower_fp8: \{storage: bytes\}", ASCEND_FP8_EXPERTS, text))
         recipe = str(recipe_file)
