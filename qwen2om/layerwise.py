@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qwen2om.arch import ArchSpec, ModelDims
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.families import Layer, family_of
 from qwen2om.weights import Weights
@@ -87,6 +88,32 @@ class ActivationStore:
 
 
 @dataclasses.dataclass
+class LayerTensors:
+    """What a LayerRunner reads, without the checkpoint's files: the model's config and the tensors of
+    the layer being run (a calibration worker gets them through Ray's object store, on any host)."""
+
+    config: dict
+    arch: ArchSpec
+    dims: ModelDims
+    fused_experts: bool
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def header(cls, ckpt: Checkpoint) -> LayerTensors:
+        return cls(ckpt.config, ckpt.arch, ckpt.dims, ckpt.fused_experts)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        t = self.tensors[name] if rows is None else self.tensors[name][rows[0]:rows[1]]
+        return t if dtype is None else t.to(dtype)
+
+
+@dataclasses.dataclass
 class LayerInputs:
     """What a hook sees for one sample entering a layer."""
 
@@ -117,16 +144,19 @@ NO_MASK = torch.empty(0)  # what the layers' mask argument gets here: CausalAtte
 class LayerRunner:
     """Embedding, then each decoder layer over every sample, one layer's weights at a time."""
 
-    def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype = torch.float32, budget: int = 1 << 30,
-                 spill_dir: Path | None = None) -> None:
+    def __init__(self, ckpt: Checkpoint | LayerTensors, *, dtype: torch.dtype = torch.float32, budget: int = 1 << 30,
+                 spill_dir: Path | None = None, device: torch.device | str = "cpu") -> None:
         self.ckpt, self.dtype, self.d = ckpt, dtype, ckpt.dims
+        self.device = torch.device(device)
         self.family = family_of(ckpt.arch)
         self.budget, self.spill_dir = budget, spill_dir
-        self.shapes = {n: ckpt.shape(n) for n in ckpt.names()}
+        # A checkpoint's table is fixed; a LayerTensors holds one layer at a time, so it is asked each time.
+        self.shapes = None if isinstance(ckpt, LayerTensors) else {n: ckpt.shape(n) for n in ckpt.names()}
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weights(self) -> Weights:
-        return Weights(self.ckpt.get, self.shapes, self.dtype, lazy=False, sliced=True)
+        shapes = self.shapes if self.shapes is not None else {n: self.ckpt.shape(n) for n in self.ckpt.names()}
+        return Weights(self.ckpt.get, shapes, self.dtype, lazy=False, sliced=True)
 
     def embed(self, samples: list[list[int]]) -> ActivationStore:
         """Hidden states entering layer 0, read row by row from the embedding table."""
@@ -141,7 +171,7 @@ class LayerRunner:
     def layer(self, index: int) -> Layer:
         """Decoder layer `index` with its real weights (and only its weights) loaded."""
         layer = self.family.layer(self.ckpt.arch, self.d, self.weights(), self.family.names.layer(index), index,
-                                  fused=self.ckpt.fused_experts).eval()
+                                  fused=self.ckpt.fused_experts).eval().to(self.device)
         for m in layer.modules():
             if hasattr(m, "cache_attention"):
                 m.cache_attention = CausalAttention(self.d.heads, self.d.head_dim)
@@ -173,20 +203,20 @@ class LayerRunner:
         return store
 
     def final_norm(self, store: ActivationStore) -> list[torch.Tensor]:
-        norm = self.family.norm(self.weights(), self.family.names.final_norm, self.d.rms_eps)
+        norm = self.family.norm(self.weights(), self.family.names.final_norm, self.d.rms_eps).to(self.device)
         with torch.no_grad():
-            return [norm(torch.from_numpy(np.array(store.get(i)))) for i in store]
+            return [norm(torch.from_numpy(np.array(store.get(i))).to(self.device)) for i in store]
 
     def forward(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """One sample [1, T, hidden] through `layer`, causal, from an empty cache (the family's first call)."""
         cos, sin = self._tables(x.shape[1])
         mask = NO_MASK  # CausalAttention is causal by construction; linear attention takes no mask
-        return self.family.first_call(layer, x.to(self.dtype), cos, sin, mask, self.d)
+        return self.family.first_call(layer, x.to(self.device, self.dtype), cos, sin, mask, self.d)
 
     def _tables(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[2] < t:
             cos, sin = self.family.rope_tables(self.ckpt.config, self.d, max(t, 256))
-            self._rope = (cos.to(self.dtype)[None, None], sin.to(self.dtype)[None, None])
+            self._rope = (cos.to(self.device, self.dtype)[None, None], sin.to(self.device, self.dtype)[None, None])
         cos, sin = self._rope
         return cos[:, :, :t], sin[:, :, :t]
 

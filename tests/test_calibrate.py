@@ -415,11 +415,11 @@ def _poisoned(checkpoint, tmp_path, name: str, value: float, everywhere: bool = 
 
 
 def test_an_interrupted_calibration_leaves_nothing_to_trip_over(tmp_path, cli, monkeypatch) -> None:
-    """calibrate cannot resume, so an interrupt removes its staging directory (it was kept, and the next
-    run then asked for a --resume that calibrate does not have)."""
+    """An exception that is not a qwen2om error (a bare KeyboardInterrupt in a library call) removes the
+    staging directory; one a killed run left behind is named, with --resume and --force as the ways on."""
     from qwen2om.quant.calibrate import Calibrator
 
-    def interrupted(self: Calibrator, samples: list[list[int]]) -> None:
+    def interrupted(self: Calibrator, samples: list[list[int]], pool: object = None) -> None:
         raise KeyboardInterrupt
     monkeypatch.setattr(Calibrator, "run", interrupted)
     out = tmp_path / "q"
@@ -428,7 +428,9 @@ def test_an_interrupted_calibration_leaves_nothing_to_trip_over(tmp_path, cli, m
     assert not out.exists() and list(tmp_path.iterdir()) == []
     (tmp_path / ".q.partial").mkdir()  # left by a run killed outright
     code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--method", "rtn", "--group-size", "32")
-    assert code == 2 and "rerun with --force to start over" in err and "--resume" not in err
+    assert code == 2 and "rerun with --force to start over" in err and "--resume" not in err  # RTN: nothing to resume
+    code, _, err = cli("calibrate", "builtin:tiny-qwen3", "-o", out, "--group-size", "32")
+    assert code == 2 and "--force" in err and "--resume" in err  # GPTQ resumes from its last finished layer
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])

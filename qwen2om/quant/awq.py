@@ -57,8 +57,8 @@ def clip_quantize(w: torch.Tensor, h: torch.Tensor, spec: Int4Spec,
     groups = spec.groups(k)
     wg = w.float().reshape(n, groups, g)
     lo_full, hi_full = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-    best_err = torch.full((n, groups), float("inf"))
-    best_scale, best_zp = torch.ones(n, groups), torch.zeros(n, groups)
+    best_err = torch.full((n, groups), float("inf"), device=w.device)
+    best_scale, best_zp = torch.ones(n, groups, device=w.device), torch.zeros(n, groups, device=w.device)
     for r in CLIP_RATIOS:
         lo, hi = lo_full * r, hi_full * r
         if spec.symmetric:

@@ -21,7 +21,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +34,32 @@ from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint
 from qwen2om.confine import confined
 from qwen2om.datasets import check_source, windows
 from qwen2om.families import family_of
-from qwen2om.layerwise import ActivationStore, LayerRunner
+from qwen2om.layerwise import LayerRunner, LayerTensors
 from qwen2om.output import check_output, mark_written, staged_output
-from qwen2om.quant.awq import clip_quantize, search_scale
+from qwen2om.quant.awq import search_scale
 from qwen2om.quant.config import CalibrationConfig
 from qwen2om.quant.config import calibration_config as calibration_config  # the CLI's and tests' import
-from qwen2om.quant.experts import (
-    ExpertStats,
-    expand_names,
-    expanded_shape,
-    quantize_experts,
-    unfused_experts,
-)
+from qwen2om.quant.device import torch_device
+from qwen2om.quant.experts import ExpertStats, expand_names, expanded_shape, expert_jobs, unfused_experts
 from qwen2om.quant.formats import FORMATS
-from qwen2om.quant.gptq import GPTQResult, gptq, gram, output_error, output_errors
+from qwen2om.quant.gptq import output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, quantize, rtn
+from qwen2om.quant.pool import Pool, open_pool
+from qwen2om.quant.resume import CalibrationJournal
+from qwen2om.quant.resume import key as journal_key
 from qwen2om.quant.schemes import FP8_BLOCK, RTN, W4A16, CalibrationError
+from qwen2om.quant.shard import Job, LayerResult, Settings, layer_linears
+from qwen2om.quant.shard import _finite_or_raise as _finite_or_raise  # tests' import
+from qwen2om.quant.tree import chunk_samples, join
 from qwen2om.quant.writer import ShardWriter, copy_tensor
 from qwen2om.quantized import DESCRIPTION
 from qwen2om.static_hybrid import ZeroCentredRMSNorm
 from qwen2om.static_model import Linear
 
 REPORT = "calibration_report.json"
+# How the statistics are summed, for the report: the order fixes their bits (qwen2om/quant/tree.py).
+REDUCTION = ("canonical binary tree over sample chunks (batch_size consecutive samples of one length): "
+             "node (lo, size) = node (lo, size/2) + node (lo + size/2, size/2), float32, left + right")
 COPY_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
@@ -121,18 +125,6 @@ def shrink_outputs(prev: torch.nn.Module, s: torch.Tensor) -> list[str]:
     return ["weight"]
 
 
-def _finite_or_raise(y: torch.Tensor, layer: int, samples: list[int], what: str) -> None:
-    """`y` holds the batch `samples` in order, [B, T, H] or flattened to [B·T, H] (a shared expert's
-    input): a non-finite value names the layer and the sample it came from."""
-    if torch.isfinite(y).all():
-        return
-    where = ""
-    if samples and y.numel() % len(samples) == 0:
-        bad = int((~torch.isfinite(y.reshape(len(samples), -1)).all(1)).nonzero()[0])
-        where = f" on calibration sample {samples[bad]}"
-    raise CalibrationError(f"layer {layer}: {what}{where} is not finite (NaN/Inf); nothing was written")
-
-
 def quant_targets(ckpt: Checkpoint, names: list[str], cfg: CalibrationConfig) -> list[str]:
     """The weights among `names` that calibration quantises (architecture data, `ignore`, the LM head)."""
     out = [n for n in names if quantizable(ckpt.arch, n, ignore=cfg.ignore, lm_head=cfg.quantize_lm_head)]
@@ -169,14 +161,15 @@ def check_group_size(widths: dict[str, int], group: int) -> None:
                            "nothing was written")
 
 
-class _Collected(Exception):
-    """Raised by the last collecting hook: the rest of the layer's forward is not needed."""
-
-
 class Calibrator:
+    """The driver of one calibration: reads each layer, has the workers (qwen2om/quant/pool.py) collect
+    its statistics and solve its modules, writes the result, and sends it back for the next layer."""
+
     def __init__(self, ckpt: Checkpoint, cfg: CalibrationConfig, writer: ShardWriter,
-                 progress: Callable[..., None], log: Callable[[str], None]) -> None:
+                 progress: Callable[..., None], log: Callable[[str], None],
+                 journal: CalibrationJournal | None = None) -> None:
         self.ckpt, self.cfg, self.writer, self.progress, self.log = ckpt, cfg, writer, progress, log
+        self.journal = journal
         self.family = family_of(ckpt.arch)
         self.spec = cfg.int4
         self.method = cfg.method_entry
@@ -184,6 +177,9 @@ class Calibrator:
         self.rtn_before: dict[str, float] = {}
         self.experts: dict[int, dict[str, Any]] = {}  # MoE layer → tokens per expert, RTN fallbacks
         self.layer_seconds: list[float] = []
+        self.layer_runs: list[dict[str, Any]] = []  # per layer: workers, samples per worker, bytes moved
+        self.resumed = 0  # layers a resumed run took from the journal
+        self.chunk_count = 0
         self.slices = unfused_experts(ckpt)  # per-expert name → its slice of a fused expert stack
         self.names = expand_names(ckpt.names(), self.slices)  # what the output checkpoint holds
 
@@ -222,46 +218,27 @@ class Calibrator:
             raise CalibrationError(f"{name}: {bad} non-finite values (NaN/Inf) in the weight; nothing was written")
         return w
 
-    def quantize_rtn(self, name: str, note: str = "") -> torch.Tensor:
-        """Round-to-nearest one weight (data-free); returns its dequantised value."""
+    def rtn_result(self, name: str, note: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Round-to-nearest one weight (data-free): (q, scale as stored, zero point), reported."""
         src = self.source(name)
-        dtype = self.dtype(src)
         w = self.finite(src, self.read(src, torch.float32))
         _, scale, zp = rtn(w, self.spec, name)
-        scale = scale.to(dtype).float()  # quantise with the scale exactly as it will be stored
-        q = quantize(w, scale, zp, self.spec.group)
-        for k, v in packed(name, q, scale, zp, self.spec, dtype, str(self.cfg.fmt)).items():
-            self.writer.add(k, v)
+        scale = scale.to(self.dtype(src)).float()  # quantise with the scale exactly as it will be stored
         self.reports.append(LinearReport(name, RTN.name, None, None, note))
         if note:
             self.log(f"{name}: RTN: {note}")
-        return dequantize(q, scale, None if self.spec.symmetric else zp, self.spec.group)
+        return quantize(w, scale, zp, self.spec.group), scale, zp
 
-    def quantize_hessian(self, name: str, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """GPTQ one weight [N, K]; returns its dequantised value (what the next layers see)."""
-        dtype = self.dtype(self.source(name))
-        if self.method.searches_scales:
-            q, scale, zp = clip_quantize(w, h, self.spec, scale_dtype=dtype)
-            r = GPTQResult(q, scale, zp, self.method.name)
-        else:
-            try:
-                r = gptq(w, h, self.spec, damp=self.cfg.damp, actorder=self.cfg.actorder, scale_dtype=dtype,
-                         name=name)
-            except ValueError as e:
-                raise CalibrationError(str(e)) from None
-        if r.note:
-            self.log(f"{name}: GPTQ fell back to RTN: {r.note}")
-        w_hat = dequantize(r.q, r.scale, r.zp if not self.spec.symmetric else None, self.spec.group)
-        q0, s0, z0 = rtn(w, self.spec, name)
-        rtn_err = self.rtn_before.pop(name, None)  # AWQ: RTN of the weight before its scaling
-        if rtn_err is None:
-            rtn_err, err = output_errors(w, h, [dequantize(q0, s0.to(dtype).float(), z0, self.spec.group), w_hat])
-        else:
-            err = output_error(w, w_hat, h)
-        self.reports.append(LinearReport(name, r.method, rtn_err, err, r.note))
-        for k, v in packed(name, r.q, r.scale, r.zp, self.spec, dtype, str(self.cfg.fmt)).items():
+    def write_int4(self, name: str, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor) -> None:
+        for k, v in packed(name, q, scale, zp, self.spec, self.dtype(self.source(name)), str(self.cfg.fmt)).items():
             self.writer.add(k, v)
-        return w_hat
+
+    def write_result(self, result: LayerResult) -> None:
+        for name in result.order:
+            if name in result.int4:
+                self.write_int4(name, *result.int4[name])
+            else:
+                self.writer.add(name, result.floats[name])
 
     def copy(self, names: list[str]) -> None:
         """Float tensors as stored, in blocks of rows (an embedding can be gigabytes)."""
@@ -271,149 +248,165 @@ class Calibrator:
             else:
                 copy_tensor(self.writer, self.ckpt, n)
 
-    def run(self, samples: list[list[int]]) -> None:
-        ckpt, d = self.ckpt, self.ckpt.dims
-        targets = set(self.targets())
-        self.check_groups(sorted(targets))
-        per_layer: dict[int, list[str]] = {i: [] for i in range(d.layers)}
+    def per_layer(self) -> dict[int, list[str]]:
+        d = self.ckpt.dims
+        out: dict[int, list[str]] = {i: [] for i in range(d.layers)}
         for n in self.names:
             parts = n.split(".")
             if n.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < d.layers:
-                per_layer[int(parts[2])].append(n)
+                out[int(parts[2])].append(n)
+        return out
+
+    def run(self, samples: list[list[int]], pool: Pool | None = None) -> None:
+        targets = set(self.targets())
+        self.check_groups(sorted(targets))
+        per_layer = self.per_layer()
         self.copy([n for n in self.names if not n.startswith("model.layers.") and n not in targets])
         if not self.method.needs_data:
-            for i in range(d.layers):
+            for i in range(self.ckpt.dims.layers):
                 t0 = time.perf_counter()
                 for n in per_layer[i]:
-                    self.quantize_rtn(n) if n in targets else self.copy([n])
+                    if n in targets:
+                        self.write_int4(n, *self.rtn_result(n))
+                    else:
+                        self.copy([n])
                 self.layer_seconds.append(time.perf_counter() - t0)
-                self.progress("quantising layers", i + 1, d.layers)
+                self.progress("quantising layers", i + 1, self.ckpt.dims.layers)
             if LM_HEAD in targets:
-                self.quantize_rtn(LM_HEAD)
+                self.write_int4(LM_HEAD, *self.rtn_result(LM_HEAD))
             return
-        runner = LayerRunner(ckpt, budget=self.cfg.activation_budget, dtype=compute_dtype(self.cfg, ckpt))
-        store = runner.embed(samples)
-        try:
-            for i in range(d.layers):
-                t0 = time.perf_counter()
-                outputs = i + 1 < d.layers or LM_HEAD in targets  # the last layer's feed only the head's GPTQ
-                store, changed = self.calibrate_layer(runner, i, store, [n for n in per_layer[i] if n in targets],
-                                                      outputs)
-                self.copy([n for n in per_layer[i] if n not in targets and n not in changed])
-                self.layer_seconds.append(time.perf_counter() - t0)
-                self.progress("calibrating layers", i + 1, d.layers)
-            if LM_HEAD in targets:
-                self.gptq_lm_head(runner, store)
-        finally:
-            store.close()
+        assert pool is not None, "a calibration with data runs on a pool of workers"
+        chunks = chunk_samples([len(s) for s in samples], self.cfg.batch_size)
+        self.chunk_count = len(chunks)
+        pool.start(len(chunks), lambda cs: self.embedding(samples, chunks, cs), self.history)
+        layers = self.ckpt.dims.layers
+        done = list(self.journal.done) if self.journal else []
+        self.resumed = len(done)
+        for i in done:  # a resumed run: the kept layers written again, in order
+            result = self.journal.load(i) if self.journal else None
+            assert result is not None
+            self.replay(result, per_layer[i])
+        for i in done:  # and the samples brought to the first layer not done
+            tensors, result = self.history(i)
+            boxes = (i, pool.share(tensors), pool.share(result))
+            pool.each("advance", lambda k, boxes=boxes: boxes)
+            pool.level = i + 1
+        if done:
+            self.progress("calibrating layers", len(done), layers)
+            self.log(f"resumed: layers 0-{len(done) - 1} were calibrated by the interrupted run")
+        for i in range(len(done), layers):
+            t0, moved, lost = time.perf_counter(), pool.moved, len(pool.lost)
+            outputs = i + 1 < layers or LM_HEAD in targets  # the last layer's feed only the head's GPTQ
+            result = self.calibrate_layer(pool, i, [n for n in per_layer[i] if n in targets], outputs)
+            result.meta["seconds"] = round(time.perf_counter() - t0, 3)
+            result.meta["run"] = {"workers": len(pool.live), "bytes_moved": pool.moved - moved,
+                                  "samples_per_worker": [sum(len(chunks[c]) for c in pool.chunks_of(k))
+                                                         for k in pool.live],
+                                  **({"workers_lost": pool.lost[lost:]} if len(pool.lost) > lost else {})}
+            if self.journal:
+                self.journal.save(result)
+            self.replay(result, per_layer[i])
+            self.progress("calibrating layers", i + 1, layers)
+        if LM_HEAD in targets:
+            self.gptq_lm_head(pool)
 
-    def calibrate_layer(self, runner: LayerRunner, index: int, store: ActivationStore,
-                        names: list[str], outputs: bool = True) -> tuple[ActivationStore, list[str]]:
-        """Quantise layer `index`'s linears `names` from its inputs in `store`; returns the next layer's
-        inputs (computed by the quantised layer; none without `outputs`) and the float tensors AWQ
-        changed, already written."""
-        layer = runner.layer(index)
+    def replay(self, result: LayerResult, names: list[str]) -> None:
+        """Write a calibrated layer (and its tensors left as stored) and take in its report."""
+        targets = set(self.targets())
+        self.write_result(result)
+        self.copy([n for n in names if n not in targets and n not in result.floats])
+        self.reports += [LinearReport(**r) for r in result.meta.get("reports", [])]
+        if "experts" in result.meta:
+            self.experts[result.index] = result.meta["experts"]
+        self.layer_seconds.append(result.meta.get("seconds", 0.0))
+        self.layer_runs.append(result.meta.get("run", {}))
+
+    def embedding(self, samples: list[list[int]], chunks: list[list[int]], which: list[int],
+                  ) -> tuple[dict[int, tuple[list[int], np.ndarray]], np.ndarray, torch.Tensor]:
+        """Chunks `which`: their samples' token ids, and the embedding rows of those tokens, each read once."""
+        data = {c: (chunks[c], np.asarray([samples[i] for i in chunks[c]], dtype=np.int64)) for c in which}
+        unique = np.unique(np.concatenate([t.reshape(-1) for _, t in data.values()])) if data else \
+            np.zeros(0, dtype=np.int64)
+        name = self.family.names.embed
+        rows = torch.cat([self.ckpt.get(name, rows=(int(t), int(t) + 1)) for t in unique]) if len(unique) else \
+            torch.zeros(0, self.ckpt.dims.hidden)
+        return data, unique, rows
+
+    def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index`'s float tensors as stored (what every worker builds the layer from)."""
+        prefix = f"{self.family.names.layer(index)}."
+        return {n: self.ckpt.get(n) for n in self.ckpt.names() if n.startswith(prefix)}
+
+    def history(self, index: int) -> tuple[dict[str, torch.Tensor], LayerResult]:
+        assert self.journal is not None, "a lost worker is recovered from the journal"
+        return self.layer_tensors(index), self.journal.load(index)
+
+    def calibrate_layer(self, pool: Pool, index: int, names: list[str], outputs: bool = True) -> LayerResult:
+        """Quantise layer `index`'s linears `names`; the result is sent to the workers, which then hold the
+        next layer's inputs (unless not `outputs`)."""
+        tensors = self.layer_tensors(index)
+        box = pool.share(tensors)
         prefix = f"{self.family.names.layer(index)}."
         experts = [n for n in names if self.family.names.parse_expert(n)]
         names = [n for n in names if n not in experts]
-        linears = {f"{prefix}{n}.weight": m for n, m in layer.named_modules() if isinstance(m, Linear)}
-        missing = [n for n in names if n not in linears]
-        if missing:
-            raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
         for n in names:
-            self.finite(n, linears[n].weight.data)
-        stats = ExpertStats(layer.mlp) if experts else None
+            self.finite(n, tensors[n] if n in tensors else self.read(n))
         # Without an output pass the collecting pass runs to the layer's end, so its output is checked.
-        hess, x_abs = self.collect(runner, layer, index, store, {n: linears[n] for n in names}, stats,
-                                   whole=not outputs)
-        if stats is not None:
-            self.experts[index] = quantize_experts(layer.mlp, stats, experts, self.family.names,
-                                                   self.quantize_hessian, self.quantize_rtn)
-        changed: list[str] = []
-        if self.method.searches_scales:
-            changed = self.awq_scale(layer, index, linears, names, hess, x_abs)
+        answers = pool.each("collect", lambda k: (index, box, names, bool(experts), not outputs))
+        sums = join({node: s for nodes, _ in answers.values() for node, s in nodes.items()}, pool.count) or {}
+        aliases: dict[str, str] = next(iter(answers.values()))[1]
+        # The driver's copy of the layer (AWQ's search, the weights to solve): the worker's own in one CPU
+        # process, else built from the same tensors the workers got, as they build it.
+        layer = pool.layer() or LayerRunner(dataclasses.replace(LayerTensors.header(self.ckpt), tensors=tensors),
+                                            dtype=compute_dtype(self.cfg, self.ckpt)).layer(index)
+        linears = layer_linears(layer, prefix)
+        hess, x_abs = {}, {}
         for n in names:
-            w = linears[n].weight.data.T.contiguous()  # stored [in, out]; the algorithms work on [out, in]
-            w_hat = self.quantize_hessian(n, w, hess.pop(n))
-            linears[n].weight.data = w_hat.T.contiguous().to(linears[n].weight.dtype)
-        out = ActivationStore(self.cfg.activation_budget)
-        with torch.no_grad():
-            for ids, x in self.batches(store) if outputs else ():
-                y = runner.forward(layer, x)
-                _finite_or_raise(y, index, ids, "its output with the quantised weights")
-                y = y.float().numpy()  # the store holds float32 whatever the compute
-                for j, i in enumerate(ids):
-                    out.put(i, y[j:j + 1])
-                    store.drop(i)
-        store.close()
-        return out, changed
-
-    def batches(self, store: ActivationStore) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """`batch_size` samples at a time, stacked (windows have one length; unequal ones go alone)."""
-        group: list[int] = []
-        for i in store:
-            if group and (len(group) == self.cfg.batch_size or store.get(i).shape != store.get(group[0]).shape):
-                yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
-                group = []
-            group.append(i)
-        if group:
-            yield group, torch.from_numpy(np.concatenate([np.asarray(store.get(j)) for j in group]))
-
-    def collect(self, runner: LayerRunner, layer: torch.nn.Module, index: int, store: ActivationStore,
-                linears: dict[str, Linear], experts: ExpertStats | None = None, whole: bool = False,
-                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """One pass over the samples: each linear's input Hessian mean(2xxᵀ) and mean |x| per channel
-        (and, for an MoE layer, each expert's from the tokens routed to it). With `whole`, every forward
-        runs to the layer's output, which must be finite."""
-        hess = {n: torch.zeros(m.weight.shape[0], m.weight.shape[0]) for n, m in linears.items()}
-        x_abs = {n: torch.zeros(m.weight.shape[0]) for n, m in linears.items()}
-        seen = dict.fromkeys(linears, 0)
-
-        # q/k/v (and gate/up) are called with the same input tensor: its xᵀx is computed once.
-        last: list[Any] = [None, None]
-        batch: list[int] = []  # the sample ids in the current forward
-        fired: set[str] = set()
-        # A dense layer's forward stops once every linear has seen its input: the rest (down_proj's
-        # product, the residual) feeds nothing collected, and is a fifth of the pass.
-        stop_early = experts is None and bool(linears) and not whole
-
-        def hook(name: str) -> Callable[..., None]:
-            def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-                if last[0] is not args[0]:
-                    short = name.removeprefix(f"{self.family.names.layer(index)}.").removesuffix(".weight")
-                    _finite_or_raise(args[0], index, batch, f"the input of {short}")
-                    x = args[0].reshape(-1, args[0].shape[-1]).float()
-                    last[0], last[1] = args[0], (gram(x), x.abs().sum(0), x.shape[0])
-                xtx, abs_sum, rows = last[1]
-                total = seen[name] + rows
-                hess[name].mul_(seen[name] / total).add_(xtx, alpha=2 / total)
-                x_abs[name].mul_(seen[name] / total).add_(abs_sum, alpha=1 / total)
-                seen[name] = total
-                fired.add(name)
-                if stop_early and len(fired) == len(linears):
-                    raise _Collected
-            return accumulate
-
-        handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-        if experts is not None:
-            handles.append(experts.moe.register_forward_pre_hook(experts.hook))
-        try:
-            with torch.no_grad():
-                for ids, x in self.batches(store):
-                    batch[:], last[:] = ids, [None, None]
-                    fired.clear()
-                    try:
-                        _finite_or_raise(runner.forward(layer, x), index, ids, "its output")
-                    except _Collected:
-                        pass
-        finally:
-            for h in handles:
-                h.remove()
-        return hess, x_abs
+            key = aliases[n]
+            rows = max(1, int(sums[f"n:{key}"]))
+            hess[n], x_abs[n] = sums[f"h:{key}"] * (2 / rows), sums[f"a:{key}"] / rows
+        result = LayerResult(index)
+        jobs: list[Job] = []
+        rtn_notes: dict[str, str] = {}
+        if experts:
+            expert_list, rtn_list, self.experts[index] = expert_jobs(layer.mlp, ExpertStats(sums), experts,
+                                                                       self.family.names)
+            jobs += [Job(n, w, h, self.dtype(n)) for n, w, h in expert_list]
+            rtn_notes = dict(rtn_list)
+            result.meta["experts"] = self.experts[index]
+        if self.method.searches_scales:
+            result.floats = self.awq_scale(layer, index, linears, names, hess, x_abs)
+        jobs += [Job(n, linears[n].weight.data.T.contiguous().float(), hess.pop(n), self.dtype(n),
+                     self.rtn_before.pop(n, None)) for n in names]
+        solved = {s.name: s for s in pool.solve(jobs)}
+        before = len(self.reports)
+        for n in experts:
+            if n in rtn_notes:
+                result.int4[n] = self.rtn_result(n, rtn_notes[n])
+                continue
+            s = solved[n]
+            result.int4[n] = (s.q, s.scale, s.zp)
+            self.reports.append(LinearReport(n, s.method, s.rtn_error, s.error, s.note))
+            if s.note:
+                self.log(f"{n}: GPTQ fell back to RTN: {s.note}")
+        for n in names:
+            s = solved[n]
+            result.int4[n] = (s.q, s.scale, s.zp)
+            self.reports.append(LinearReport(n, s.method, s.rtn_error, s.error, s.note))
+            if s.note:
+                self.log(f"{n}: GPTQ fell back to RTN: {s.note}")
+        result.order = [*experts, *result.floats, *names]
+        result.meta["reports"] = [dataclasses.asdict(r) for r in self.reports[before:]]
+        del self.reports[before:]  # replay() takes them in, as a resumed run does from the journal
+        if outputs:
+            rbox = pool.share(result)
+            pool.each("advance", lambda k: (index, box, rbox))
+            pool.level = index + 1
+        return result
 
     def awq_scale(self, layer: torch.nn.Module, index: int, linears: dict[str, Linear], names: list[str],
-                  hess: dict[str, torch.Tensor], x_abs: dict[str, torch.Tensor]) -> list[str]:
-        """Search and apply AWQ's input-channel scales in place; returns the float tensors changed."""
+                  hess: dict[str, torch.Tensor], x_abs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Search and apply AWQ's input-channel scales in place; returns the float tensors changed, as stored."""
         modules = dict(layer.named_modules())
         prefix = f"{self.family.names.layer(index)}."
         changed: list[str] = []
@@ -432,28 +425,36 @@ class Calibrator:
             s, base, best = search_scale(ws, [hess[g] for g in group], x_abs[group[0]], self.spec)
             if best >= base:
                 continue  # s = 1 is best: leave the group alone
-            changed += [f"{prefix}{producer}.{attr}" for attr in shrink_outputs(prev, s)]
+            attrs = shrink_outputs(prev, s)
+            if isinstance(prev, Linear) and f"{prefix}{producer}.weight" not in names:
+                attrs.append("weight")  # a producer kept float is stored shrunk too
+            changed += [f"{prefix}{producer}.{attr}" for attr in attrs]
             for g in group:
                 linears[g].weight.data = (linears[g].weight.data.float() * s[:, None]).to(linears[g].weight.dtype)
                 hess[g] = hess[g] / (s[:, None] * s[None, :])
         dtype = self.ckpt.info(self.family.names.input_norm(index)).dtype
-        for name in changed:  # written as stored, and the layer keeps exactly the stored value
+        out: dict[str, torch.Tensor] = {}
+        for name in dict.fromkeys(changed):  # written as stored, and the layer keeps exactly the stored value
             module, attr = name.removeprefix(prefix).rsplit(".", 1)
             param = getattr(modules[module], attr)
-            stored = param.data.to(dtype)
-            param.data = stored.to(param.dtype)
-            self.writer.add(name, stored)
-        return changed
+            if attr == "weight" and isinstance(modules[module], Linear):  # held [in, out], stored [out, in]
+                out[name] = param.data.T.contiguous().to(self.dtype(name))
+                param.data = out[name].T.contiguous().to(param.dtype)
+            else:
+                out[name] = param.data.to(dtype)
+                param.data = out[name].to(param.dtype)
+        return out
 
-    def gptq_lm_head(self, runner: LayerRunner, store: ActivationStore) -> None:
-        k = self.ckpt.dims.hidden
-        h, seen = torch.zeros(k, k), 0
-        for x in runner.final_norm(store):
-            x = x.reshape(-1, k).float()
-            total = seen + x.shape[0]
-            h = h * (seen / total) + (2 / total) * x.T @ x
-            seen = total
-        self.quantize_hessian(LM_HEAD, self.ckpt.get(self.source(LM_HEAD), torch.float32), h)
+    def gptq_lm_head(self, pool: Pool) -> None:
+        norm = self.family.names.final_norm
+        box = pool.share({n: self.ckpt.get(n) for n in self.ckpt.names() if n.startswith(norm)})
+        answers = pool.each("head", lambda k: (box,))
+        sums = join({node: s for nodes in answers.values() for node, s in nodes.items()}, pool.count) or {}
+        h = sums["h"] * (2 / max(1, int(sums["n"])))
+        w = self.ckpt.get(self.source(LM_HEAD), torch.float32)
+        (s,) = pool.solve([Job(LM_HEAD, w, h, self.dtype(self.source(LM_HEAD)))])
+        self.reports.append(LinearReport(LM_HEAD, s.method, s.rtn_error, s.error, s.note))
+        self.write_int4(LM_HEAD, s.q, s.scale, s.zp)
 
 
 def description(ckpt: Checkpoint, cal: Calibrator) -> dict[str, Any]:
@@ -486,7 +487,9 @@ class CalibrationResult:
 
 def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bool = False,
               progress: Callable[..., None] = lambda *a, **k: None,
-              log: Callable[[str], None] = lambda m: None) -> CalibrationResult:
+              log: Callable[[str], None] = lambda m: None, resume: bool = False, distributed: str | None = None,
+              workers: int = 2, address: str | None = None,
+              pool_hook: Callable[[Pool], None] = lambda pool: None) -> CalibrationResult:
     """Quantise `model` into `out` as `cfg` says; `cfg` is checked again first (it may have been changed
     since it was made), exactly as the CLI checks it."""
     cfg.check()
@@ -499,16 +502,26 @@ def calibrate(model: str | Path, out: Path, cfg: CalibrationConfig, *, force: bo
         raise CalibrationError(f"{source} is already quantised ({qm}); calibrate its float original")
     ckpt.validate_layout()
     tokenizer_files(source)  # refused now, not after the calibration
-    return RUNS[cfg.scheme](model, source, ckpt, out, cfg, force=force, progress=progress, log=log)
+    if (resume or distributed) and not cfg.method_entry.needs_data:
+        raise CalibrationError(f"--resume and --distributed are for calibrations with data (gptq, awq); "
+                               f"{cfg.scheme} {cfg.method} reads each weight once and needs neither")
+    return RUNS[cfg.scheme](model, source, ckpt, out, cfg, force=force, progress=progress, log=log,
+                            **({"resume": resume, "distributed": distributed, "workers": workers, "address": address,
+                                "pool_hook": pool_hook} if cfg.method_entry.needs_data else {}))
 
 
 def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path, cfg: CalibrationConfig, *,
-                   force: bool, progress: Callable[..., None], log: Callable[[str], None]) -> CalibrationResult:
-    """`--scheme w4a16`: int4 groups by RTN, GPTQ or AWQ, layer by layer."""
+                   force: bool, progress: Callable[..., None], log: Callable[[str], None], resume: bool = False,
+                   distributed: str | None = None, workers: int = 2, address: str | None = None,
+                   pool_hook: Callable[[Pool], None] = lambda pool: None) -> CalibrationResult:
+    """`--scheme w4a16`: int4 groups by RTN, GPTQ or AWQ, layer by layer; with data, on a pool of workers
+    (this process, or `workers` Ray actors with `distributed="ray"`), resumable from the last finished layer."""
     # Before any data or weight is read: a group that does not fit, or an OUT that is there already,
     # used to stop calibration only after the dataset was read and tokenised.
     check_group_size(quantized_widths(ckpt, cfg), cfg.int4.group)
-    check_output(Path(out), force=force, marker=REPORT, resumable=False)
+    resumable = cfg.method_entry.needs_data  # RTN reads each weight once: nothing to resume
+    check_output(Path(out), force=force, resume=resume, marker=REPORT, resumable=resumable)
+    device = torch_device(cfg.device)
     t0 = time.perf_counter()
     data = None
     if cfg.method_entry.needs_data:
@@ -516,36 +529,71 @@ def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path,
         data = windows(str(cfg.dataset), source, num_samples=cfg.num_samples, seq_len=seq_len)
         for note in data.notes:
             log(note)
-    with staged_output(Path(out), force=force, marker=REPORT, resumable=False) as stage:
-        writer = ShardWriter(stage, rename=ckpt.layout_name)
-        cal = Calibrator(ckpt, cfg, writer, progress, log)
-        cal.run(data.samples if data else [])
-        writer.close()
-        config = dict(ckpt.config)
-        if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
-            config["tie_word_embeddings"] = False  # the head is now its own (quantised) tensor
-        marker = FORMATS.get(str(cfg.fmt)).marker
-        if marker:  # msModelSlim's: the description file, not config.json, says what is quantised
-            (stage / marker).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
-        else:
-            config["quantization_config"] = quantization_config(cfg, [ckpt.layout_name(m) for m in cal.ignored()])
-        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_tokenizer_files(source, stage)
-        errs = [(r.rtn_error, r.error) for r in cal.reports if r.error is not None and r.rtn_error is not None]
-        report = {
-            "model": str(model), "scheme": W4A16.name, "method": cfg.method, "group_size": cfg.group_size,
-            "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
-            "compute_dtype": str(compute_dtype(cfg, ckpt)).removeprefix("torch.") if data else None,
-            "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
-            "fell_back_to_rtn": [r.name for r in cal.reports if r.method == RTN.name and cal.method.needs_data],
-            "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
-            "mean_error": float(np.mean([e[1] for e in errs])) if errs else None,
-            "layers": [{"layer": i, "seconds": round(s, 3),
-                        "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name],
-                        **({"experts": cal.experts[i]} if i in cal.experts else {})}
-                       for i, s in enumerate(cal.layer_seconds)],
-        }
-        mark_written(stage, report, REPORT)
+    threads = cfg.threads or torch.get_num_threads()
+    samples = data.samples if data else []
+    settings = Settings(cfg.int4, cfg.method_entry.searches_scales, cfg.damp, cfg.actorder,
+                        str(compute_dtype(cfg, ckpt)).removeprefix("torch."), str(device), threads,
+                        cfg.activation_budget)
+    # Everything that decides the checkpoint's bytes (not the workers: any number gives the same).
+    key = journal_key(source, ckpt.config, {**dataclasses.asdict(cfg), "device": device.type, "threads": threads},
+                      samples)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the driver's own arithmetic (AWQ's search) as the workers'
+    pool: Pool | None = None
+    try:
+        with staged_output(Path(out), force=force, resume=resume, marker=REPORT, resumable=resumable,
+                           log=log) as stage:
+            journal = CalibrationJournal(stage, key, resume=resume)
+            writer = ShardWriter(stage, rename=ckpt.layout_name)
+            cal = Calibrator(ckpt, cfg, writer, progress, log, journal)
+            if data:
+                pool = open_pool(LayerTensors.header(ckpt), settings, distributed=distributed, workers=workers,
+                                 address=address)
+                pool_hook(pool)
+            cal.run(samples, pool)
+            peaks = pool.peaks() if pool else []
+            places = [dataclasses.asdict(p) for p in pool.places] if pool else []
+            lost = list(pool.lost) if pool else []
+            if pool:
+                pool.close()
+                pool = None
+            journal.finish()
+            writer.close()
+            config = dict(ckpt.config)
+            if cfg.quantize_lm_head and config.get("tie_word_embeddings"):
+                config["tie_word_embeddings"] = False  # the head is now its own (quantised) tensor
+            marker = FORMATS.get(str(cfg.fmt)).marker
+            if marker:  # msModelSlim's: the description file, not config.json, says what is quantised
+                (stage / marker).write_text(json.dumps(description(ckpt, cal), indent=2) + "\n")
+            else:
+                config["quantization_config"] = quantization_config(cfg, [ckpt.layout_name(m) for m in cal.ignored()])
+            (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            copy_tokenizer_files(source, stage)
+            errs = [(r.rtn_error, r.error) for r in cal.reports if r.error is not None and r.rtn_error is not None]
+            report = {
+                "model": str(model), "scheme": W4A16.name, "method": cfg.method, "group_size": cfg.group_size,
+                "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
+                "compute_dtype": settings.dtype if data else None,
+                "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
+                "fell_back_to_rtn": [r.name for r in cal.reports if r.method == RTN.name and cal.method.needs_data],
+                "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
+                "mean_error": float(np.mean([e[1] for e in errs])) if errs else None,
+                **({"execution": {
+                    "distributed": distributed, "workers": len(places), "device": str(device), "threads": threads,
+                    "resumed_layers": cal.resumed,
+                    "reduction": REDUCTION, "chunks": cal.chunk_count, "workers_lost": lost,
+                    "worker_peak_rss_bytes": peaks, "places": places}} if data else {}),
+                "layers": [{"layer": i, "seconds": round(s, 3),
+                            "linears": [dataclasses.asdict(r) for r in cal.reports if f"layers.{i}." in r.name],
+                            **({"experts": cal.experts[i]} if i in cal.experts else {}),
+                            **({"run": cal.layer_runs[i]} if i < len(cal.layer_runs) and cal.layer_runs[i] else {})}
+                           for i, s in enumerate(cal.layer_seconds)],
+            }
+            mark_written(stage, report, REPORT)
+    finally:
+        if pool is not None:
+            pool.close()
+        torch.set_num_threads(previous)
     ckpt.close()
     return CalibrationResult(Path(out), report)
 

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from qwen2om.quant.device import check_spelling
 from qwen2om.quant.int4 import Int4Spec
 from qwen2om.quant.schemes import METHODS, SCHEMES, CalibrationError, Method, Scheme
 from qwen2om.recipe import parse_yaml, read_recipe_text, typed
@@ -44,6 +45,10 @@ class CalibrationConfig:
     # dtype). Activations between layers, Hessians and the quantisation stay float32.
     compute_dtype: str = "float32"
     fmt: str | None = None  # a FORMATS name; the scheme's first (w4a16: compressed-tensors; or ascendv1)
+    device: str = "cpu"  # the forward passes and the GPTQ/AWQ arithmetic: cpu, cuda[:i], npu[:i]
+    # torch threads of the driver and of every worker (default: this process's). A product's float sums
+    # depend on how it is split over threads, so one checkpoint byte for byte needs one thread count.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -71,7 +76,8 @@ class CalibrationConfig:
         self.compute_dtype = DTYPE_SPELLINGS.get(self.compute_dtype, self.compute_dtype)
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise CalibrationError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-        for name in ("group_size", "num_samples", "batch_size"):
+        check_spelling(self.device)
+        for name in ("group_size", "num_samples", "batch_size", "threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise CalibrationError(f"{name} must be a positive integer (got {value!r})")

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
 from qwen2om.arch import ArchSpec
 from qwen2om.families import TensorNames, family_of
+from qwen2om.quant.tree import Stats
 from qwen2om.static_model import SparseMoE
 
 MIN_TOKENS = 16
@@ -87,21 +88,25 @@ def expand_names(names: Iterable[str], slices: dict[str, ExpertSlice]) -> list[s
     return [x for n in names for x in by_source.get(n, [n])]
 
 
-class ExpertStats:
-    """Per-expert input Hessians and token counts of one MoE block over the calibration samples."""
+class ExpertCollector:
+    """A pre-hook on an MoE block: routes the block's input as the block does and sums, per expert, xᵀx of
+    its tokens (gate/up) and of its activations (down). `sums` is one forward's; `reset` starts the next."""
 
     def __init__(self, moe: SparseMoE) -> None:
         self.moe = moe
-        e, h, i = moe.d.experts, moe.d.hidden, moe.d.moe_intermediate
-        self.gate_up = torch.zeros(e, h, h)
-        self.down = torch.zeros(e, i, i)
-        self.tokens = [0] * e
-        self.total = 0
+        self.sums: Stats = {}
+        self.reset()
+
+    def reset(self) -> None:
+        e, h, i = self.moe.d.experts, self.moe.d.hidden, self.moe.d.moe_intermediate
+        device = self.moe.gate.weight.device
+        self.sums = {"e.gate_up": torch.zeros(e, h, h, device=device), "e.down": torch.zeros(e, i, i, device=device),
+                     "e.tokens": torch.zeros(e, dtype=torch.int64), "e.total": torch.zeros((), dtype=torch.int64)}
 
     def hook(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        moe, d = self.moe, self.moe.d
+        moe, d, s = self.moe, self.moe.d, self.sums
         x = args[0].reshape(-1, d.hidden).float()
-        self.total += x.shape[0]
+        s["e.total"] += x.shape[0]
         index = torch.topk(torch.softmax(moe.gate(x.to(moe.gate.weight.dtype)).float(), -1), d.top_k, -1).indices
         for e in range(d.experts):
             xe = x[(index == e).any(-1)]
@@ -109,14 +114,24 @@ class ExpertStats:
                 continue
             gu = xe @ moe.experts.gate_up[e].float()
             act = torch.nn.functional.silu(gu[:, :d.moe_intermediate]) * gu[:, d.moe_intermediate:]
-            self.gate_up[e] += 2 * xe.T @ xe
-            self.down[e] += 2 * act.T @ act
-            self.tokens[e] += xe.shape[0]
+            s["e.gate_up"][e] += xe.T @ xe
+            s["e.down"][e] += act.T @ act
+            s["e.tokens"][e] += xe.shape[0]
+
+
+class ExpertStats:
+    """Per-expert input Hessians and token counts of one MoE block over all the calibration samples,
+    from the sums the collectors' chunks add up to (qwen2om.quant.tree)."""
+
+    def __init__(self, sums: Stats) -> None:
+        self.sums = sums
+        self.tokens = [int(t) for t in sums["e.tokens"]]
+        self.total = int(sums["e.total"])
 
     def hessian(self, e: int, proj: str) -> torch.Tensor:
         """mean(2xxᵀ) over the tokens expert `e` received (its gate and up share one)."""
-        h = self.down[e] if proj == "down" else self.gate_up[e]
-        return h / max(1, self.tokens[e])
+        h = self.sums["e.down" if proj == "down" else "e.gate_up"][e]
+        return h * (2 / max(1, self.tokens[e]))
 
     def enough(self, e: int) -> bool:
         return self.tokens[e] >= max(MIN_TOKENS, math.ceil(MIN_FRACTION * self.total))
@@ -140,21 +155,19 @@ def set_expert_weight(moe: SparseMoE, e: int, proj: str, w: torch.Tensor) -> Non
         moe.experts.gate_up.data[e][:, i:] = w.T.to(moe.experts.gate_up.dtype)
 
 
-def quantize_experts(moe: SparseMoE, stats: ExpertStats, names: list[str], naming: TensorNames,
-                     gptq: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
-                     rtn: Callable[[str, str], torch.Tensor]) -> dict[str, Any]:
-    """Quantise the experts' weights in `names` (GPTQ, or RTN below the token threshold), write
-    them through the callbacks and leave their dequantised values in `moe` for the next layer."""
-    fell_back = []
+def expert_jobs(moe: SparseMoE, stats: ExpertStats, names: list[str], naming: TensorNames,
+                ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[tuple[str, str]], dict[str, Any]]:
+    """The experts' weights in `names` split into GPTQ jobs (name, weight [out, in], Hessian) and RTN
+    fallbacks (name, why: too few calibration tokens), with the report's entry."""
+    jobs, rtn, fell_back = [], [], []
     for name in names:
         parsed = naming.parse_expert(name)
         assert parsed is not None
         _, e, proj = parsed
         if stats.enough(e):
-            w_hat = gptq(name, expert_weight(moe, e, proj).float(), stats.hessian(e, proj))
+            jobs.append((name, expert_weight(moe, e, proj).float(), stats.hessian(e, proj)))
         else:
-            w_hat = rtn(name, f"expert {e} received {stats.tokens[e]} of {stats.total} calibration tokens")
+            rtn.append((name, f"expert {e} received {stats.tokens[e]} of {stats.total} calibration tokens"))
             if proj == "gate":
                 fell_back.append(e)
-        set_expert_weight(moe, e, proj, w_hat)
-    return {"tokens": stats.tokens, "total": stats.total, "rtn_experts": fell_back}
+    return jobs, rtn, {"tokens": stats.tokens, "total": stats.total, "rtn_experts": fell_back}

@@ -54,7 +54,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[1]
     if k <= GRAM_BLOCK:
         return x.T @ x
-    out = torch.empty(k, k, dtype=x.dtype)
+    out = torch.empty(k, k, dtype=x.dtype, device=x.device)
     edges = list(range(0, k, GRAM_BLOCK)) + [k]
     for a0, a1 in zip(edges, edges[1:], strict=False):
         for b0, b1 in zip(edges, edges[1:], strict=False):
@@ -78,9 +78,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, spec: Int4Spec, *, damp: float = 0.01
     w[:, dead] = 0
     scale, zp = qparams(w, spec, name)
     scale = scale.to(scale_dtype).float()  # quantise with the scale exactly as it will be stored
-    perm = torch.argsort(torch.diag(h), descending=True) if actorder else torch.arange(k)
+    perm = torch.argsort(torch.diag(h), descending=True) if actorder else torch.arange(k, device=h.device)
     w, h = w[:, perm], h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(k)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(k, device=h.device)
     try:
         hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except torch.linalg.LinAlgError as e:
@@ -91,7 +91,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, spec: Int4Spec, *, damp: float = 0.01
     # the slow part of GPTQ (a few small ops per column), so it indexes nothing it can precompute.
     s_cols, z_cols = scale[:, group_of].T.contiguous(), zp[:, group_of].T.float().contiguous()
     wt = w.T.contiguous()  # [K, N]
-    qt = torch.zeros(k, n)
+    qt = torch.zeros(k, n, device=w.device)
     diag = torch.diagonal(hinv).clone()
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
