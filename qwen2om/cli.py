@@ -525,6 +525,20 @@ def calibrate(
                                                 "symmetric, dataset, num_samples, seq_len, batch_size, compute_dtype, "
                                                 "ignore, quantize_lm_head, format, damp, actorder); flags override "
                                                 "it")] = None,
+    device: Annotated[str | None, typer.Option(help="where the layers' forward passes and the GPTQ/AWQ arithmetic "
+                                               "run: cpu (default), cuda[:i] or npu[:i] (torch-npu and CANN)")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch threads of this process and of every worker "
+                                                "(default: this process's); the checkpoint's bytes depend on it")
+                       ] = None,
+    distributed: Annotated[str | None, typer.Option(help="ray: spread the samples' activations and the per-module "
+                                                    "solves over Ray actors (pip install 'qwen2om[ray]'); the "
+                                                    "checkpoint is byte-identical to one process's")] = None,
+    address: Annotated[str | None, typer.Option(help="with --distributed ray: the cluster's head HOST:PORT, or auto "
+                                                "(default: a local cluster started for this run)")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="with --distributed ray: Ray actors, each holding 1/N of the "
+                                         "samples")] = 2,
+    resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted GPTQ/AWQ calibration of OUT from "
+                                         "its last finished layer (same settings and samples)")] = False,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
     """Quantise MODEL's linear weights (int4 W4A16, or FP8 blocks) into a checkpoint `convert` reads.
@@ -540,10 +554,14 @@ def calibrate(
     # library's: calibration_config builds the CalibrationConfig, which its scheme checks.
     flags = {"scheme": scheme, "method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
              "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
-             "compute_dtype": compute_dtype, "quantize_lm_head": quantize_lm_head, "fmt": fmt}
+             "compute_dtype": compute_dtype, "quantize_lm_head": quantize_lm_head, "fmt": fmt, "device": device,
+             "threads": threads}
+    if (address is not None or workers != 2) and distributed is None:
+        raise Qwen2omError("--address and --workers are for --distributed ray")
     cfg = calibration_config(recipe, {k: v for k, v in flags.items() if v is not None}, tuple(ignore or ()))
     with progress_bar() as progress:
-        result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note)
+        result = run_calibrate(model, out, cfg, force=force, progress=progress, log=note, resume=resume,
+                               distributed=distributed, workers=workers, address=address)
     r = result.report
     if r["scheme"] == FP8_BLOCK.name:
         print_fp8_report(model, out, r)
@@ -566,6 +584,16 @@ def calibrate(
     ds = r["dataset"]
     if ds:
         out_console.print(f"{ds['samples']} samples × {ds['seq_len']} tokens from {ds['source']}")
+    ex = r.get("execution") or {}
+    if ex.get("distributed"):
+        moved = sum(x.get("run", {}).get("bytes_moved", 0) for x in r["layers"])
+        peak = max(ex["worker_peak_rss_bytes"], default=0)
+        out_console.print(f"{ex['workers']} Ray workers on {len({p['host'] for p in ex['places']})} host(s), "
+                          f"{moved / 2**20:.1f} MiB moved, worker peak RSS {peak / 2**30:.2f} GiB"
+                          + (f"; {len(ex['workers_lost'])} worker(s) lost and recovered from" if ex["workers_lost"]
+                             else ""))
+    if ex.get("resumed_layers"):
+        out_console.print(f"resumed: {ex['resumed_layers']} layers came from the interrupted run")
     out_console.print(f"{r['quantized']} weights quantised in {r['seconds']:.1f} s; "
                       f"report: {out}/calibration_report.json")
 

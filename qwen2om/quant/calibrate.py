@@ -294,7 +294,13 @@ class Calibrator:
         if done:
             self.progress("calibrating layers", len(done), layers)
             self.log(f"resumed: layers 0-{len(done) - 1} were calibrated by the interrupted run")
+        steps = [0]
+
+        def tick(step: str) -> None:  # collect, solve and advance answered by each worker
+            steps[0] += 1
+            self.progress(f"this layer's steps on {len(pool.live)} worker(s)", steps[0], 3 * len(pool.live))
         for i in range(len(done), layers):
+            pool.tick, steps[0] = tick, 0
             t0, moved, lost = time.perf_counter(), pool.moved, len(pool.lost)
             outputs = i + 1 < layers or LM_HEAD in targets  # the last layer's feed only the head's GPTQ
             result = self.calibrate_layer(pool, i, [n for n in per_layer[i] if n in targets], outputs)

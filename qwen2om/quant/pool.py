@@ -77,6 +77,7 @@ class Pool:
         self.lost: list[dict[str, Any]] = []  # workers dropped: who, when, why
         self.embedder: Embedder | None = None
         self.history: History | None = None
+        self.tick: Callable[[str], None] = lambda step: None  # after each worker's answer (progress)
 
     # -- how a call reaches a worker (subclasses) ------------------------------------------------
     def submit(self, k: int, method: str, *args: Any) -> Any:
@@ -123,7 +124,10 @@ class Pool:
             sent = [(k, self.submit(k, method, *a)) for k, a in given.items()]
             self.moved += nbytes(list(given.values())) if self.remote else 0
             try:
-                out = {k: self.wait(k, f) for k, f in sent}
+                out = {}
+                for k, f in sent:
+                    out[k] = self.wait(k, f)
+                    self.tick(method)
             except WorkerLost as lost:
                 if not recover:
                     raise CalibrationError(f"{self.places[lost.k]} failed before calibrating: {lost.why}") from None
@@ -149,6 +153,7 @@ class Pool:
                     continue
                 self.moved += nbytes(answers) if self.remote else 0
                 done |= {a.name: a for a in answers}
+                self.tick("solve")
         return [done[j.name] for j in jobs]
 
     def recover(self, lost: WorkerLost) -> None:
