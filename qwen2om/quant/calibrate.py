@@ -363,8 +363,12 @@ class Calibrator:
         aliases: dict[str, str] = next(iter(answers.values()))[1]
         # The driver's copy of the layer (AWQ's search, the weights to solve): the worker's own in one CPU
         # process, else built from the same tensors the workers got, as they build it.
-        layer = pool.layer() or LayerRunner(dataclasses.replace(LayerTensors.header(self.ckpt), tensors=tensors),
-                                            dtype=compute_dtype(self.cfg, self.ckpt)).layer(index)
+        layer = pool.layer()
+        if layer is not None:  # the worker in this process holds the layer: its stored tensors can go
+            box[0] = tensors = None
+        else:
+            layer = LayerRunner(dataclasses.replace(LayerTensors.header(self.ckpt), tensors=tensors),
+                                dtype=compute_dtype(self.cfg, self.ckpt)).layer(index)
         linears = layer_linears(layer, prefix)
         hess, x_abs = {}, {}
         for n in names:
