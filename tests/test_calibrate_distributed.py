@@ -102,8 +102,10 @@ def test_a_worker_killed_mid_layer_changes_nothing(cluster, single, tmp_path, st
     assert digests(out) == want
     lost = report["execution"]["workers_lost"]
     assert [x["worker"] for x in lost] == [1] and lost[0]["layer"] in (1, 2) and "killed" in lost[0]["why"]
-    assert [x["run"]["workers"] for x in report["layers"]] == [3, 2, 2, 2]
-    assert report["layers"][1]["run"]["workers_lost"][0]["worker"] == 1
+    # ray.kill is asynchronous: the loss shows in layer 1, or in layer 2 when layer 1's step finished first
+    at = lost[0]["layer"]
+    assert [x["run"]["workers"] for x in report["layers"]] == [3] * at + [2] * (4 - at)
+    assert report["layers"][at]["run"]["workers_lost"][0]["worker"] == 1
 
 
 def test_a_worker_process_that_dies_is_recovered_from(cluster, single, tmp_path) -> None:
