@@ -6,11 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -174,29 +172,16 @@ def test_a_killed_driver_resumes_to_the_same_bytes(single, tmp_path, resume_with
 
 def test_a_head_and_a_worker_started_with_ray_start(single, tmp_path) -> None:
     """Two nodes on this host, each its own `ray start` process; the command connects with --address."""
-    from test_ray_stages import RayNode, free_port
+    from test_ray_stages import two_nodes
 
     want = digests(single(MODELS[0], "gptq"))
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="qr")  # short: Ray's socket paths live under it
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    nodes: list[RayNode] = []
     out = tmp_path / "q"
-    try:
-        nodes.append(RayNode("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                             f"--temp-dir={temp}", env=env))
-        nodes[0].wait_started()
-        nodes.append(RayNode(f"--address=127.0.0.1:{port}", "--num-cpus=1", env=env))
-        nodes[1].wait_started()
+    with two_nodes() as (address, env):
         done = subprocess.run(
             [sys.executable, "-m", "qwen2om", "calibrate", MODELS[0], "-o", str(out), "--group-size", "32",
              "--num-samples", str(SAMPLES["num_samples"]), "--seq-len", str(SAMPLES["seq_len"]), "--dataset",
-             SAMPLES["dataset"], "--threads", "1", "--distributed", "ray", "--workers", "2",
-             "--address", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=600, env=env)
-    finally:
-        for node in reversed(nodes):
-            node.stop()
-        shutil.rmtree(temp, ignore_errors=True)
+             SAMPLES["dataset"], "--threads", "1", "--distributed", "ray", "--workers", "2", "--address", address],
+            capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert digests(out) == want
     places = json.loads((out / "calibration_report.json").read_text())["execution"]["places"]

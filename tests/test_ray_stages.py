@@ -4,6 +4,7 @@ stage, a stage that does not answer) is one clear error naming what to do, or th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -254,12 +255,10 @@ class RayNode:
         self.process.wait(30)
 
 
-@pytest.mark.slow
-def test_a_head_and_a_worker_started_with_ray_start(outs: Callable[[str, int], Path], tmp_path: Path) -> None:
-    """Two nodes on this host, each process separate: the driver (a fresh process, as run.py is) connects
-    with --address and places one stage on each node."""
-    staged = outs("builtin:tiny-qwen3", 2)
-    want, want_tokens = logits_of(staged)
+@contextlib.contextmanager
+def two_nodes() -> Iterator[tuple[str, dict[str, str]]]:
+    """A head and a worker node on this host, each its own `ray start` process, 1 CPU each: yields the
+    head's address and the environment a driver connecting to it needs; both stopped on the way out."""
     port = free_port()
     # A private temp dir: `ray start` records its cluster there, not in /tmp/ray where ray.init() looks.
     # Token authentication off for this cluster: a token left in ~/.ray by a local ray.init would turn it
@@ -273,11 +272,25 @@ def test_a_head_and_a_worker_started_with_ray_start(outs: Callable[[str, int], P
         nodes[0].wait_started()
         nodes.append(RayNode(f"--address=127.0.0.1:{port}", "--num-cpus=1", env=env))
         nodes[1].wait_started()
+        yield f"127.0.0.1:{port}", env
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_head_and_a_worker_started_with_ray_start(outs: Callable[[str, int], Path], tmp_path: Path) -> None:
+    """Two nodes on this host, each process separate: the driver (a fresh process, as run.py is) connects
+    with --address and places one stage on each node."""
+    staged = outs("builtin:tiny-qwen3", 2)
+    want, want_tokens = logits_of(staged)
+    with two_nodes() as (address, env):
         script = (
             "import json, sys, numpy as np\n"
             "from qwen2om.runtime.standalone import Engine\n"
             "from test_ray_stages import run_through\n"
-            f"with Engine({str(staged)!r}, distributed='ray', address='127.0.0.1:{port}') as e:\n"
+            f"with Engine({str(staged)!r}, distributed='ray', address={address!r}) as e:\n"
             "    rows, tokens = run_through(e)\n"
             "    nodes = [p.node for p in e.graphs['decode'].stages.places]\n"
             f"np.save({str(tmp_path / 'rows.npy')!r}, rows)\n"
@@ -286,10 +299,6 @@ def test_a_head_and_a_worker_started_with_ray_start(outs: Callable[[str, int], P
                               cwd=Path(__file__).parent)
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(done.stdout.strip().splitlines()[-1])
-    finally:
-        for node in reversed(nodes):
-            node.stop()
-        shutil.rmtree(temp, ignore_errors=True)
     assert report["tokens"] == want_tokens
     assert np.abs(np.load(tmp_path / "rows.npy") - want).max() <= 1e-6
     assert len(set(report["nodes"])) == 2  # SPREAD: one stage per node
