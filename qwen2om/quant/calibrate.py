@@ -280,25 +280,12 @@ class Calibrator:
         self.chunk_count = len(chunks)
         pool.start(len(chunks), lambda cs: self.embedding(samples, chunks, cs), self.history)
         layers = self.ckpt.dims.layers
-        done = list(self.journal.done) if self.journal else []
-        self.resumed = len(done)
-        for i in done:  # a resumed run: the kept layers written again, in order
-            result = self.journal.load(i) if self.journal else None
-            assert result is not None
-            self.replay(result, per_layer[i])
-        for i in done:  # and the samples brought to the first layer not done
-            tensors, result = self.history(i)
-            boxes = (i, pool.share(tensors), pool.share(result))
-            pool.each("advance", lambda k, boxes=boxes: boxes)
-            pool.level = i + 1
-        if done:
-            self.progress("calibrating layers", len(done), layers)
-            self.log(f"resumed: layers 0-{len(done) - 1} were calibrated by the interrupted run")
+        done = self.resume(pool, per_layer)
         steps = [0]
 
         def tick(step: str) -> None:  # collect, solve and advance answered by each worker
             steps[0] += 1
-            self.progress(f"this layer's steps on {len(pool.live)} worker(s)", steps[0], 3 * len(pool.live))
+            self.progress("this layer on the workers (statistics, solves, next inputs)", steps[0], 3 * len(pool.live))
         for i in range(len(done), layers):
             pool.tick, steps[0] = tick, 0
             t0, moved, lost = time.perf_counter(), pool.moved, len(pool.lost)
@@ -315,6 +302,23 @@ class Calibrator:
             self.progress("calibrating layers", i + 1, layers)
         if LM_HEAD in targets:
             self.gptq_lm_head(pool)
+
+    def resume(self, pool: Pool, per_layer: dict[int, list[str]]) -> list[int]:
+        """A resumed run: the journaled layers written again, in order, and the workers' samples brought
+        through them to the first layer not done. Returns the layers done."""
+        done = list(self.journal.done) if self.journal else []
+        self.resumed = len(done)
+        for i in done:
+            self.replay(self.journal.load(i), per_layer[i])  # type: ignore[union-attr]
+        for i in done:
+            tensors, result = self.history(i)
+            boxes = (i, pool.share(tensors), pool.share(result))
+            pool.each("advance", lambda k, boxes=boxes: boxes)
+            pool.level = i + 1
+        if done:
+            self.progress("calibrating layers", len(done), self.ckpt.dims.layers)
+            self.log(f"resumed: layers 0-{len(done) - 1} were calibrated by the interrupted run")
+        return done
 
     def replay(self, result: LayerResult, names: list[str]) -> None:
         """Write a calibrated layer (and its tensors left as stored) and take in its report."""
