@@ -30,9 +30,9 @@ FP8_BUILTINS = {"tiny-qwen3-fp8": "tiny-qwen3", "tiny-qwen3-trained-fp8": "tiny-
 
 def builtin_names() -> list[str]:
     from qwen2om.fixtures.tiny import TINY
-    from qwen2om.fixtures.trained import NAME as TRAINED
+    from qwen2om.fixtures.trained import CORPORA as TRAINED
 
-    return [*TINY, TRAINED, *FP8_BUILTINS]
+    return [*TINY, *TRAINED, *FP8_BUILTINS]
 
 
 # A Hugging Face hub id, `owner/name`: what a user copies from a model page.
@@ -69,9 +69,10 @@ def resolve_model(model: str | Path) -> Path:
         base = resolve_model(PREFIX + FP8_BUILTINS[name])
         dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}-{base.name}"
         return dest if (dest / "config.json").is_file() else write_fp8_checkpoint(base, dest)
-    if name == trained.NAME:  # committed weights, copied (training takes minutes)
-        dest = cache_root() / "builtin" / f"{name}-{trained.committed_record()['files']['model.safetensors'][:12]}"
-        return dest if (dest / "config.json").is_file() else trained.copy_trained_checkpoint(dest)
+    if corpus := trained.CORPORA.get(name):  # committed weights, copied (training takes minutes)
+        weights = trained.committed_record(corpus)["files"]["model.safetensors"]
+        dest = cache_root() / "builtin" / f"{name}-{weights[:12]}"
+        return dest if (dest / "config.json").is_file() else trained.copy_trained_checkpoint(dest, corpus)
     if name not in TINY:
         raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(builtin_names())})")
     dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
