@@ -1,0 +1,281 @@
+"""W4A16 quality across the trained builtins: qwen2om RTN / GPTQ / AWQ against llm-compressor GPTQ, per
+model, over several calibration sample sets, with the spread.
+
+    .venv/bin/python bench/quant_models.py                 # the three trained builtins, 3 sets of 128 × 512
+    .venv/bin/python bench/quant_models.py --models builtin:tiny-qwen3-trained --sets 2 --num-samples 4 \\
+        --seq-len 64 --rows rtn,gptq,llmc                  # a smoke run (numbers meaningless)
+
+For each model and each calibration set, every row calibrates in a child process (timed there: the
+tool's own report, and the process's wall time), then `qwen2om eval`'s agreement scores it against the
+float model on that model's held-out text: perplexity (non-overlapping windows), top-1 agreement and
+mean KL(float ‖ quantised) per position. Each row prints mean ± sd and min–max over the sets of Δppl
+(vs the float model), top-1 agreement, mean KL and calibration seconds, then one line per model: is
+qwen2om GPTQ's mean Δppl ≤ llm-compressor's? RTN reads no data, so it runs once per model (n = 1).
+
+Calibration sets (deterministic, disjoint): the model's own training text (`train_text()` of its
+corpus in qwen2om/fixtures/trained.py, which never holds a held-out paragraph) is cut at blank lines
+into blocks of at least BLOCK_CHARS characters; block i goes to set i mod --sets, and each set's blocks
+are written, in order, one `{"text": block}` record each, to one JSONL file. Every set is a
+stretch-by-stretch sample of the same corpus and no two share a block; windows pack the blocks joined
+by end-of-text (they are not contiguous text), and a set's windows come from its first blocks (reading
+stops once --num-samples windows are full, so qwen2om tokenises only what it uses). Both tools see
+identical token windows: qwen2om calibrates with `--dataset SET.jsonl` and cuts its windows itself
+with `qwen2om.datasets.windows`; this script calls the same function on the same file and hands
+llm-compressor those windows as a JSON list of token ids (bench/llmcompressor_w4a16.py). qwen2om runs
+through `--trace-windows`, which records the sha256 of the windows its calibration actually used; the
+script stops if it differs from llm-compressor's.
+
+Calibration seconds are each tool's own: qwen2om's report (opening the model, reading and tokenising
+the set, the layers), llm-compressor's `oneshot` (on the given token ids); the JSON also has each
+child process's wall time.
+
+llm-compressor lives in its own environment, `.venv-llmc` (see bench/llmcompressor_w4a16.py); without
+it the llmc row says so and the verdict line cannot be drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from quant_quality import LLMC_PY, ROOT, quality, run
+
+MODELS = ("builtin:tiny-qwen3-trained", "builtin:tiny-qwen3-code", "builtin:tiny-qwen3-zh")
+ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "awq": "qwen2om awq", "llmc": "llm-compressor gptq"}
+BLOCK_CHARS = 4096
+
+
+# -- per-model text: the two functions to adapt when a model's texts come from elsewhere -------------
+def _corpus(model: str) -> Any:
+    from qwen2om.fixtures import trained
+
+    corpus = trained.CORPORA.get(model.removeprefix("builtin:"))
+    if corpus is None:
+        known = ", ".join("builtin:" + name for name in trained.CORPORA)
+        raise SystemExit(f"{model}: not a trained builtin (known: {known})")
+    return corpus
+
+
+def heldout_text(model: str) -> str:
+    """The text `model` is scored on: its corpus's held-out split (never trained on)."""
+    return _corpus(model).heldout_text()
+
+
+def calibration_text(model: str) -> str:
+    """The text calibration sets are cut from: its corpus's training split (disjoint from the held-out)."""
+    return _corpus(model).train_text()
+
+
+# -- calibration sets ----------------------------------------------------------------------------------
+def ids_sha256(samples: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(samples, separators=(",", ":")).encode()).hexdigest()
+
+
+def split_sets(text: str, sets: int, block_chars: int = BLOCK_CHARS) -> list[list[str]]:
+    """`text` cut at blank lines into blocks of at least `block_chars` characters, dealt round-robin."""
+    blocks: list[str] = []
+    cur: list[str] = []
+    size = 0
+    for para in text.split("\n\n"):
+        cur.append(para)
+        size += len(para) + 2
+        if size >= block_chars:
+            blocks.append("\n\n".join(cur))
+            cur, size = [], 0
+    if cur:
+        blocks.append("\n\n".join(cur))
+    return [blocks[k::sets] for k in range(sets)]
+
+
+# -- one calibration each ----------------------------------------------------------------------------
+def qwen2om_calibrate(method: str, src: Path, out: Path, dataset: Path | None, args: argparse.Namespace
+                      ) -> dict[str, Any]:
+    """qwen2om calibrate in a child process; with data, through --trace-windows (its windows' sha256)."""
+    cmd = ["calibrate", str(src), "-o", str(out), "--method", method, "--group-size", str(args.group_size), "--force"]
+    trace = out.with_name(out.name + ".windows.sha256")
+    trace.unlink(missing_ok=True)
+    if dataset is not None:
+        cmd += ["--dataset", str(dataset), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)]
+    wall, _ = run([sys.executable, str(Path(__file__).resolve()), "--trace-windows", str(trace), "--", *cmd])
+    report = json.loads((out / "calibration_report.json").read_text())
+    return {"seconds": report["seconds"], "wall": round(wall, 2),
+            "windows_sha256": trace.read_text().strip() if dataset is not None else None}
+
+
+def llmc_calibrate(src: Path, out: Path, ids: Path, args: argparse.Namespace) -> dict[str, Any]:
+    wall, stdout = run([str(LLMC_PY), "bench/llmcompressor_w4a16.py", "--model", str(src), "--samples", str(ids),
+                        "--out", str(out), "--group-size", str(args.group_size)])
+    reported = json.loads(stdout.strip().splitlines()[-1])
+    return {"seconds": reported["seconds"], "wall": round(wall, 2),
+            "windows_sha256": ids_sha256(json.loads(ids.read_text()))}
+
+
+def traced_calibrate(trace: str, argv: list[str]) -> None:
+    """`qwen2om ARGV`, writing to `trace` the sha256 of the token windows calibration cuts (child process)."""
+    import qwen2om.quant.calibrate as cal
+    from qwen2om.cli import main
+
+    cut = cal.windows
+
+    def windows(*a: Any, **k: Any) -> Any:
+        w = cut(*a, **k)
+        Path(trace).write_text(ids_sha256(w.samples) + "\n")
+        return w
+
+    cal.windows = windows
+    sys.argv = ["qwen2om", *argv]
+    main()
+
+
+# -- summary -------------------------------------------------------------------------------------------
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    return {"dppl": spread([r["ppl"] - r["ref_ppl"] for r in results]), "top1": spread([r["top1"] for r in results]),
+            "kl": spread([r["kl"] for r in results]), "seconds": spread([r["seconds"] for r in results]),
+            "wall": spread([r["wall"] for r in results])}
+
+
+def cells(s: dict[str, float], fmt: str, scale: float = 1.0) -> str:
+    m, sd, lo, hi = (s[k] * scale for k in ("mean", "sd", "min", "max"))
+    return f"{m:{fmt}} ± {sd:{fmt.lstrip('+')}} | {lo:{fmt}} – {hi:{fmt}}"
+
+
+def print_model(m: dict[str, Any], sets: int) -> None:
+    print(f"\n{m['model']}: float perplexity {m['float_ppl']:.3f} on {m['heldout_tokens']} held-out tokens; "
+          f"{sets} calibration sets × {m['samples']} windows × {m['seq_len']} tokens of its training text")
+    print("| tool | n | Δ ppl mean ± sd | Δ ppl min – max | top-1 % mean ± sd | top-1 % min – max | "
+          "mean KL mean ± sd | KL min – max | calibration s mean ± sd | s min – max |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row, s in m["summary"].items():
+        if "error" in s:
+            print(f"| {ROWS[row]} | 0 | {s['error']} | | | | | | | |")
+            continue
+        print(f"| {ROWS[row]} | {s['dppl']['n']} | {cells(s['dppl'], '+.4f')} | {cells(s['top1'], '.2f', 100)} | "
+              f"{cells(s['kl'], '.2e')} | {cells(s['seconds'], '.1f')} |")
+    print(m["verdict"])
+
+
+def verdict(model: str, summary: dict[str, dict[str, Any]]) -> tuple[str, bool | None]:
+    ours, theirs = summary.get("gptq", {}).get("dppl"), summary.get("llmc", {}).get("dppl")
+    if ours is None or theirs is None:
+        return f"{model}: no verdict (needs both the gptq and llmc rows)", None
+    ok = ours["mean"] <= theirs["mean"]
+    return (f"{model}: qwen2om GPTQ mean Δppl {ours['mean']:+.4f} {'≤' if ok else '>'} llm-compressor's "
+            f"{theirs['mean']:+.4f}: {'yes' if ok else 'NO'}"), ok
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    from qwen2om.builtin import resolve_model
+    from qwen2om.datasets import windows
+
+    src = resolve_model(model)
+    work = args.workdir / model.removeprefix("builtin:")
+    work.mkdir(parents=True, exist_ok=True)
+    heldout = work / "heldout.txt"
+    heldout.write_text(heldout_text(model))
+    set_texts = split_sets(calibration_text(model), args.sets)
+    results: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+    errors: dict[str, str] = {}
+    sets: list[dict[str, Any]] = []
+
+    def score(row: str, out: Path, timing: dict[str, Any], index: int | None) -> None:
+        t0 = time.perf_counter()
+        q = quality(str(out), str(src), heldout, args.window, args.windows)
+        results[row].append({"set": index, **timing, **q, "eval_seconds": round(time.perf_counter() - t0, 2)})
+        log(f"  {ROWS[row]}: Δppl {q['ppl'] - q['ref_ppl']:+.4f}, top-1 {q['top1']:.2%}, KL {q['kl']:.2e}, "
+            f"calibration {timing['seconds']:.1f} s (wall {timing['wall']:.1f} s), "
+            f"eval {time.perf_counter() - t0:.1f} s")
+
+    if "rtn" in rows:  # data-free: the same checkpoint whatever the set, so once
+        log(f"{model}: rtn")
+        out = work / "rtn"
+        score("rtn", out, qwen2om_calibrate("rtn", src, out, None, args), None)
+    if "llmc" in rows and not LLMC_PY.exists():
+        errors["llmc"] = f"{LLMC_PY} not found (see bench/llmcompressor_w4a16.py)"
+    for k, blocks in enumerate(set_texts):
+        dataset = work / f"set-{k}.jsonl"
+        dataset.write_text("".join(json.dumps({"text": b}, ensure_ascii=False) + "\n" for b in blocks))
+        data = windows(str(dataset), src, num_samples=args.num_samples, seq_len=args.seq_len)
+        for note in data.notes:
+            log(f"{model} set {k}: {note}")
+        ids = work / f"set-{k}.ids.json"
+        ids.write_text(json.dumps(data.samples))
+        sha = ids_sha256(data.samples)
+        sets.append({"set": k, "file": str(dataset), "blocks": len(blocks), "documents_read": data.documents,
+                     "samples": len(data.samples), "text_sha256": data.sha256, "windows_sha256": sha})
+        log(f"{model}: set {k} ({len(data.samples)} × {args.seq_len} tokens, windows sha256 {sha[:16]}…)")
+        for row in rows:
+            if row == "rtn" or row in errors:
+                continue
+            out = work / f"set-{k}" / row
+            out.parent.mkdir(exist_ok=True)
+            timing = (llmc_calibrate(src, out, ids, args) if row == "llmc"
+                      else qwen2om_calibrate(row, src, out, dataset, args))
+            if timing["windows_sha256"] != sha:
+                raise SystemExit(f"{model} set {k}: {ROWS[row]} calibrated on windows sha256 "
+                                 f"{timing['windows_sha256']}, not the set's {sha}")
+            score(row, out, timing, k)
+    summary: dict[str, dict[str, Any]] = {row: {"error": errors[row]} if row in errors else summarise(results[row])
+                                          for row in rows}
+    line, ok = verdict(model, summary)
+    first = next((r for rs in results.values() for r in rs), {"ref_ppl": float("nan"), "tokens": "?"})
+    return {"model": model, "source": str(src), "float_ppl": first["ref_ppl"], "heldout_tokens": first["tokens"],
+            "samples": args.num_samples, "seq_len": args.seq_len, "sets": sets, "results": results,
+            "summary": summary, "verdict": line, "gptq_at_least_as_good": ok}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--trace-windows"]:  # the child process of qwen2om_calibrate
+        traced_calibrate(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated trained builtins")
+    ap.add_argument("--sets", type=int, default=3, help="disjoint calibration sample sets per model")
+    ap.add_argument("--num-samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--rows", default="rtn,gptq,awq,llmc", help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
+    ap.add_argument("--windows", type=int, default=64, help="held-out windows at most (fewer if the text is short)")
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "quant-models")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    args.workdir = args.workdir.resolve()  # the children run in the repository root
+    rows = args.rows.split(",")
+    if unknown := [r for r in rows if r not in ROWS]:
+        ap.error(f"unknown rows {unknown} (known: {', '.join(ROWS)})")
+    if args.sets < 1:
+        ap.error("--sets must be at least 1")
+    t0 = time.perf_counter()
+    done: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        done.append(bench_model(model, rows, args))
+        if args.json:  # after every model, so that a long run keeps what it has
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "models": done,
+                                             "seconds": round(time.perf_counter() - t0, 1)}, indent=2))
+    print(f"group {args.group_size} symmetric; held-out windows of {args.window} tokens (at most {args.windows}); "
+          f"Δ ppl = quantised − float perplexity; KL(float ‖ quantised) in nats per position")
+    for m in done:
+        print_model(m, args.sets)
+    print(f"\nwall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
