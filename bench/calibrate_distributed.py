@@ -48,6 +48,8 @@ from typing import Any
 
 from convert_memory import REPO, Case, ensure_checkpoint
 
+from qwen2om.output import sha256_file
+
 MIB = 2**20
 GB = 10**9
 REPORT = "calibration_report.json"
@@ -66,11 +68,7 @@ def checkpoint_digest(out: Path) -> tuple[str, dict[str, str]]:
     """sha256 of every output file but the report, and one digest over (name, sha256) in name order."""
     files = {}
     for f in sorted(p for p in out.rglob("*") if p.is_file() and p.name != REPORT):
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        files[str(f.relative_to(out))] = h.hexdigest()
+        files[str(f.relative_to(out))] = sha256_file(f)
     total = hashlib.sha256("".join(f"{n}\0{d}\n" for n, d in files.items()).encode()).hexdigest()
     return total, files
 

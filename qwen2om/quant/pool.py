@@ -265,6 +265,8 @@ class RayPool(Pool):
         return getattr(self.actors[k], method).remote(*args)
 
     def wait(self, k: int, future: Any) -> Any:
+        from qwen2om.runtime.standalone import ray_reason
+
         ray = self.ray
         try:
             return ray.get(future, timeout=self.seconds)
@@ -272,15 +274,11 @@ class RayPool(Pool):
             raise CalibrationError(f"{self.places[k]} did not answer within {self.seconds:g} s "
                                    "($QWEN2OM_RAY_CALL_TIMEOUT)") from None
         except ray.exceptions.RayActorError as e:
-            from qwen2om.runtime.standalone import ray_reason
-
             raise WorkerLost(k, ray_reason(e)) from None
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, CalibrationError):
                 raise cause from None
-            from qwen2om.runtime.standalone import ray_reason
-
             raise CalibrationError(f"{self.places[k]}: {ray_reason(e)}") from None
 
     def share(self, value: Any) -> list[Any]:

@@ -12,7 +12,6 @@ other settings, samples or weights.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -76,6 +75,3 @@ def key(source: Path, config: dict[str, Any], settings: dict[str, Any], samples:
     return {"command": "calibrate", "model": str(source.resolve()), "config": digest(config),
             "settings": digest(settings), "samples": digest(samples)}
 
-
-def settings_of(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else dict(obj)

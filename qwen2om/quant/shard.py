@@ -126,9 +126,6 @@ class LayerResult:
     order: list[str] = dataclasses.field(default_factory=list)  # write order of both
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # reports, experts, seconds, workers
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for v in self.int4.values() for t in v) + sum(t.nbytes for t in self.floats.values())
-
 
 def layer_linears(layer: torch.nn.Module, prefix: str) -> dict[str, Linear]:
     """The layer's Linear modules by weight name (`model.layers.3.mlp.up_proj.weight`)."""

@@ -63,13 +63,13 @@ def add(x: Stats | None, y: Stats | None) -> Stats | None:
     return {k: x[k] + y[k] if k in x and k in y else x.get(k, y.get(k)) for k in {*x, *y}}
 
 
-def node_sums(node: Node, count: int, chunk_stats: Iterator[tuple[int, Stats]]) -> Stats | None:
+def node_sums(node: Node, count: int, chunk_stats: Iterator[Stats]) -> Stats | None:
     """The sum of one tree node from its chunks' stats, given in chunk order (a binary counter: at most
     log₂(size) partial sums held at once, each pair joined exactly where the tree joins it)."""
     lo, size = node
     stack: list[tuple[int, Stats]] = []  # (size, sum) of completed aligned sub-nodes, left to right
     for _ in range(max(0, min(lo + size, count) - lo)):
-        _, s = next(chunk_stats)
+        s = next(chunk_stats)
         width = 1
         while stack and stack[-1][0] == width:
             s = add(stack.pop()[1], s)  # type: ignore[assignment]
@@ -86,7 +86,7 @@ def range_sums(a: int, b: int, count: int, stats: Callable[[int], Stats]) -> dic
     out: dict[Node, Stats] = {}
     for node in blocks(a, b, count):
         lo, size = node
-        total = node_sums(node, count, ((c, stats(c)) for c in range(lo, min(lo + size, count))))
+        total = node_sums(node, count, (stats(c) for c in range(lo, min(lo + size, count))))
         if total is not None:
             out[node] = total
     return out
