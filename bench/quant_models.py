@@ -220,8 +220,16 @@ def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[s
                 continue
             out = work / f"set-{k}" / row
             out.parent.mkdir(exist_ok=True)
-            timing = (llmc_calibrate(src, out, ids, args) if row == "llmc"
-                      else qwen2om_calibrate(row, src, out, dataset, args))
+            stamp = out.with_name(out.name + ".timing.json")  # beside OUT: the tools own OUT's contents
+            same = {"windows_sha256": sha, "group_size": args.group_size}
+            if row in args.reuse and stamp.exists() and same.items() <= json.loads(stamp.read_text()).items():
+                timing = json.loads(stamp.read_text())
+                log(f"  {ROWS[row]}: reusing {out} (calibrated on these windows earlier)")
+            else:
+                stamp.unlink(missing_ok=True)
+                timing = (llmc_calibrate(src, out, ids, args) if row == "llmc"
+                          else qwen2om_calibrate(row, src, out, dataset, args))
+                stamp.write_text(json.dumps({**timing, "group_size": args.group_size}))
             if timing["windows_sha256"] != sha:
                 raise SystemExit(f"{model} set {k}: {ROWS[row]} calibrated on windows sha256 "
                                  f"{timing['windows_sha256']}, not the set's {sha}")
@@ -255,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=64, help="held-out windows at most (fewer if the text is short)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "quant-models")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reuse", default="", help="comma-separated rows whose checkpoints from an earlier run on the "
+                    "same windows are scored again instead of recalibrated (e.g. llmc, while changing qwen2om)")
     args = ap.parse_args(argv)
     args.workdir = args.workdir.resolve()  # the children run in the repository root
     rows = args.rows.split(",")
+    args.reuse = [r for r in args.reuse.split(",") if r]
     if unknown := [r for r in rows if r not in ROWS]:
         ap.error(f"unknown rows {unknown} (known: {', '.join(ROWS)})")
     if args.sets < 1:
