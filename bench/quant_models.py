@@ -6,9 +6,12 @@ model, over several calibration sample sets, with the spread.
         --seq-len 64 --rows rtn,gptq,llmc                  # a smoke run (numbers meaningless)
 
 For each model and each calibration set, every row calibrates in a child process (timed there: the
-tool's own report, and the process's wall time), then `qwen2om eval`'s agreement scores it against the
-float model on that model's held-out text: perplexity (non-overlapping windows), top-1 agreement and
-mean KL(float ‖ quantised) per position. Each row prints mean ± sd and min–max over the sets of Δppl
+tool's own report, and the process's wall time), then it is scored against the float model on that
+model's held-out text with `qwen2om eval agree`'s pieces (qwen2om.evaluate: Scorer, windows, nll; the
+float model's log-probabilities computed once per model): perplexity (non-overlapping windows), top-1
+agreement and mean KL(float ‖ quantised) per position. Each window's negative log-likelihood is kept, so
+a Δppl gets the standard error of the held-out text's sampling (window to window), and qwen2om GPTQ
+minus llm-compressor GPTQ a paired one (the same windows). Each row prints mean ± sd and min–max over the sets of Δppl
 (vs the float model), top-1 agreement, mean KL and calibration seconds, then one line per model: is
 qwen2om GPTQ's mean Δppl ≤ llm-compressor's? RTN reads no data, so it runs once per model (n = 1).
 
@@ -38,13 +41,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from quant_quality import LLMC_PY, ROOT, quality, run
+from quant_quality import LLMC_PY, ROOT, run
 
 MODELS = ("builtin:tiny-qwen3-trained", "builtin:tiny-qwen3-code", "builtin:tiny-qwen3-zh")
 ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "awq": "qwen2om awq", "llmc": "llm-compressor gptq"}
@@ -133,14 +137,83 @@ def traced_calibrate(trace: str, argv: list[str]) -> None:
     main()
 
 
+# -- scoring -------------------------------------------------------------------------------------------
+class Judge:
+    """`qwen2om eval agree`'s measures (qwen2om.evaluate: Scorer, the same windows, log-softmax, nll) of a
+    checkpoint against the float model, with the float model's log-probabilities computed once per model
+    and each window's negative log-likelihood kept, so that differences get a standard error."""
+
+    def __init__(self, src: Path, heldout: Path, window: int, max_windows: int) -> None:
+        from qwen2om.datasets import windows
+        from qwen2om.evaluate import Scorer
+
+        self.samples = windows(str(heldout), src, num_samples=max_windows, seq_len=window).samples
+        ref = Scorer(src)
+        self.ref = [ref(ids) for ids in self.samples]
+        self.ref_nll = [nll_of(lp, ids) for lp, ids in zip(self.ref, self.samples, strict=True)]
+        self.tokens = sum(len(ids) - 1 for ids in self.samples)
+
+    def __call__(self, out: Path) -> dict[str, Any]:
+        import numpy as np
+
+        from qwen2om.evaluate import Scorer
+
+        model = Scorer(out)
+        agree = kl = 0.0
+        window_nll: list[float] = []
+        for ids, lb in zip(self.samples, self.ref, strict=True):
+            fa = model(ids)
+            la, lbt = fa[:-1], lb[:-1]  # the last position predicts past the window
+            agree += float((la.argmax(-1) == lbt.argmax(-1)).sum())
+            kl += float((np.exp(lbt) * (lbt - la)).sum())
+            window_nll.append(nll_of(fa, ids))
+        return {"ppl": math.exp(sum(window_nll) / self.tokens), "ref_ppl": math.exp(sum(self.ref_nll) / self.tokens),
+                "top1": agree / self.tokens, "kl": kl / self.tokens, "tokens": self.tokens,
+                "window_dnll": [a - b for a, b in zip(window_nll, self.ref_nll, strict=True)]}
+
+
+def nll_of(logp: Any, ids: list[int]) -> float:
+    from qwen2om.evaluate import nll
+
+    return nll(logp, ids)
+
+
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Δppl(a) − Δppl(b) over the sets both rows ran, with the standard error of the held-out text's
+    sampling: per set, ppl·(Δnll_a − Δnll_b) window by window (same windows), its mean's SE; over sets,
+    the mean and √(Σ SE²)/n."""
+    sets = {r["set"]: r for r in b}
+    diffs, ses = [], []
+    for r in a:
+        other = sets.get(r["set"])
+        if other is None:
+            continue
+        d = [x - y for x, y in zip(r["window_dnll"], other["window_dnll"], strict=True)]
+        tokens_per_window = r["tokens"] / len(d)
+        scale = r["ref_ppl"] / tokens_per_window  # Δppl ≈ ppl · Σ Δnll / tokens
+        diffs.append((r["ppl"] - r["ref_ppl"]) - (other["ppl"] - other["ref_ppl"]))
+        ses.append(scale * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
+    if not diffs:
+        return None
+    return {"mean": statistics.fmean(diffs), "se": math.sqrt(sum(x * x for x in ses)) / len(ses), "n": len(diffs),
+            "per_set": diffs, "per_set_se": ses}
+
+
 # -- summary -------------------------------------------------------------------------------------------
 def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values), "n": len(values)}
 
 
+def dppl_se(r: dict[str, Any]) -> float:
+    """The standard error of one run's Δppl from the held-out text's sampling (window to window)."""
+    d = r["window_dnll"]
+    return r["ref_ppl"] / (r["tokens"] / len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+
+
 def summarise(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    return {"dppl": spread([r["ppl"] - r["ref_ppl"] for r in results]), "top1": spread([r["top1"] for r in results]),
+    return {"dppl": spread([r["ppl"] - r["ref_ppl"] for r in results]), "dppl_se": spread(list(map(dppl_se, results))),
+            "top1": spread([r["top1"] for r in results]),
             "kl": spread([r["kl"] for r in results]), "seconds": spread([r["seconds"] for r in results]),
             "wall": spread([r["wall"] for r in results])}
 
@@ -153,14 +226,15 @@ def cells(s: dict[str, float], fmt: str, scale: float = 1.0) -> str:
 def print_model(m: dict[str, Any], sets: int) -> None:
     print(f"\n{m['model']}: float perplexity {m['float_ppl']:.3f} on {m['heldout_tokens']} held-out tokens; "
           f"{sets} calibration sets × {m['samples']} windows × {m['seq_len']} tokens of its training text")
-    print("| tool | n | Δ ppl mean ± sd | Δ ppl min – max | top-1 % mean ± sd | top-1 % min – max | "
-          "mean KL mean ± sd | KL min – max | calibration s mean ± sd | s min – max |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| tool | n | Δ ppl mean ± sd | Δ ppl min – max | one run's Δ ppl SE | top-1 % mean ± sd | "
+          "top-1 % min – max | mean KL mean ± sd | KL min – max | calibration s mean ± sd | s min – max |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row, s in m["summary"].items():
         if "error" in s:
-            print(f"| {ROWS[row]} | 0 | {s['error']} | | | | | | | |")
+            print(f"| {ROWS[row]} | 0 | {s['error']} | | | | | | | | |")
             continue
-        print(f"| {ROWS[row]} | {s['dppl']['n']} | {cells(s['dppl'], '+.4f')} | {cells(s['top1'], '.2f', 100)} | "
+        print(f"| {ROWS[row]} | {s['dppl']['n']} | {cells(s['dppl'], '+.4f')} | {s['dppl_se']['mean']:.4f} | "
+              f"{cells(s['top1'], '.2f', 100)} | "
               f"{cells(s['kl'], '.2e')} | {cells(s['seconds'], '.1f')} |")
     print(m["verdict"])
 
@@ -170,8 +244,13 @@ def verdict(model: str, summary: dict[str, dict[str, Any]]) -> tuple[str, bool |
     if ours is None or theirs is None:
         return f"{model}: no verdict (needs both the gptq and llmc rows)", None
     ok = ours["mean"] <= theirs["mean"]
-    return (f"{model}: qwen2om GPTQ mean Δppl {ours['mean']:+.4f} {'≤' if ok else '>'} llm-compressor's "
-            f"{theirs['mean']:+.4f}: {'yes' if ok else 'NO'}"), ok
+    line = (f"{model}: qwen2om GPTQ mean Δppl {ours['mean']:+.4f} {'≤' if ok else '>'} llm-compressor's "
+            f"{theirs['mean']:+.4f}: {'yes' if ok else 'NO'}")
+    if d := summary["gptq"].get("vs_llmc"):
+        each = ", ".join(f"{x:+.4f} ± {e:.4f}" for x, e in zip(d["per_set"], d["per_set_se"], strict=True))
+        line += (f" (difference {d['mean']:+.4f} ± {d['se']:.4f}, the held-out text's sampling error over "
+                 f"{d['n']} sets; per set {each})")
+    return line, ok
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -189,9 +268,11 @@ def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[s
     errors: dict[str, str] = {}
     sets: list[dict[str, Any]] = []
 
+    judge = Judge(src, heldout, args.window, args.windows)
+
     def score(row: str, out: Path, timing: dict[str, Any], index: int | None) -> None:
         t0 = time.perf_counter()
-        q = quality(str(out), str(src), heldout, args.window, args.windows)
+        q = judge(out)
         results[row].append({"set": index, **timing, **q, "eval_seconds": round(time.perf_counter() - t0, 2)})
         log(f"  {ROWS[row]}: Δppl {q['ppl'] - q['ref_ppl']:+.4f}, top-1 {q['top1']:.2%}, KL {q['kl']:.2e}, "
             f"calibration {timing['seconds']:.1f} s (wall {timing['wall']:.1f} s), "
@@ -236,6 +317,8 @@ def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[s
             score(row, out, timing, k)
     summary: dict[str, dict[str, Any]] = {row: {"error": errors[row]} if row in errors else summarise(results[row])
                                           for row in rows}
+    if "gptq" in results and "llmc" in results and "error" not in summary["gptq"] and "llmc" not in errors:
+        summary["gptq"]["vs_llmc"] = paired(results["gptq"], results["llmc"])
     line, ok = verdict(model, summary)
     first = next((r for rs in results.values() for r in rs), {"ref_ppl": float("nan"), "tokens": "?"})
     return {"model": model, "source": str(src), "float_ppl": first["ref_ppl"], "heldout_tokens": first["tokens"],
@@ -260,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--rows", default="rtn,gptq,awq,llmc", help=f"comma-separated subset of {', '.join(ROWS)}")
     ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
-    ap.add_argument("--windows", type=int, default=64, help="held-out windows at most (fewer if the text is short)")
+    ap.add_argument("--windows", type=int, default=256, help="held-out windows at most (fewer if the text is short; "
+                    "the three builtins' held-out texts are 9k, 21k and 49k tokens)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "quant-models")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reuse", default="", help="comma-separated rows whose checkpoints from an earlier run on the "
