@@ -298,7 +298,7 @@ def extrapolate(a: argparse.Namespace) -> dict[str, Any]:
     chunks = a.big_samples  # batch_size 1: one chunk per sample (calibrate's default)
     per_expert_tokens = tokens * k / e
     spec = Int4Spec(a.big_group_size, True)
-    settings = Settings(spec, False, 0.01, True, "float32", "cpu", 1, 2 << 30)
+    settings = Settings(spec, False, 0.01, True, (1.0,), "float32", "cpu", 1, 2 << 30)
     measured: dict[str, float] = {}
     t_all = time.perf_counter()
     print("timing the pieces (torch, 1 thread) ...", file=sys.stderr, flush=True)

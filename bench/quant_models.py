@@ -1,7 +1,7 @@
 """W4A16 quality across the trained builtins: qwen2om RTN / GPTQ / AWQ against llm-compressor GPTQ, per
 model, over several calibration sample sets, with the spread.
 
-    .venv/bin/python bench/quant_models.py                 # the three trained builtins, 3 sets of 128 × 512
+    .venv/bin/python bench/quant_models.py                 # the three trained builtins, 3 sets of 128 × 512, every row
     .venv/bin/python bench/quant_models.py --models builtin:tiny-qwen3-trained --sets 2 --num-samples 4 \\
         --seq-len 64 --rows rtn,gptq,llmc                  # a smoke run (numbers meaningless)
 
@@ -51,7 +51,9 @@ from typing import Any
 from quant_quality import LLMC_PY, ROOT, run
 
 MODELS = ("builtin:tiny-qwen3-trained", "builtin:tiny-qwen3-code", "builtin:tiny-qwen3-zh")
-ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "awq": "qwen2om awq", "llmc": "llm-compressor gptq"}
+ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "gptq-clip": "qwen2om gptq --clip-search", "awq": "qwen2om awq",
+        "llmc": "llm-compressor gptq"}
+FLAGS = {"gptq-clip": ["--method", "gptq", "--clip-search"]}  # a row's calibrate flags (default: --method ROW)
 BLOCK_CHARS = 4096
 
 
@@ -98,10 +100,11 @@ def split_sets(text: str, sets: int, block_chars: int = BLOCK_CHARS) -> list[lis
 
 
 # -- one calibration each ----------------------------------------------------------------------------
-def qwen2om_calibrate(method: str, src: Path, out: Path, dataset: Path | None, args: argparse.Namespace
+def qwen2om_calibrate(row: str, src: Path, out: Path, dataset: Path | None, args: argparse.Namespace
                       ) -> dict[str, Any]:
     """qwen2om calibrate in a child process; with data, through --trace-windows (its windows' sha256)."""
-    cmd = ["calibrate", str(src), "-o", str(out), "--method", method, "--group-size", str(args.group_size), "--force"]
+    cmd = ["calibrate", str(src), "-o", str(out), *FLAGS.get(row, ["--method", row]), "--group-size",
+           str(args.group_size), "--force"]
     trace = out.with_name(out.name + ".windows.sha256")
     trace.unlink(missing_ok=True)
     if dataset is not None:
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--rows", default="rtn,gptq,awq,llmc", help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
     ap.add_argument("--windows", type=int, default=256, help="held-out windows at most (fewer if the text is short; "
                     "the three builtins' held-out texts are 9k, 21k and 49k tokens)")

@@ -187,6 +187,29 @@ def test_transformers_loads_the_linears_left_float(model, group, loader, left_fl
     assert compared >= 2 and any(n.endswith("_proj.weight") for n in ckpt.quantized)
 
 
+def test_clip_search_never_raises_an_error_and_is_recorded(calibrated, tmp_path) -> None:
+    """--clip-search: each output row keeps the clipping ratio whose GPTQ result has the least output error;
+    ratio 1 (the default run's) is one of the candidates, so on the same inputs no linear does worse."""
+    from qwen2om.quant.schemes import CalibrationError
+
+    out = tmp_path / "clip"
+    calibrate("builtin:tiny-qwen3", out, CalibrationConfig(method="gptq", clip_search=True, **SMALL))
+    clip = json.loads((out / "calibration_report.json").read_text())
+    plain = json.loads((calibrated["gptq"] / "calibration_report.json").read_text())
+    # layer 0 sees the same inputs in both runs (nothing is quantised before it); later layers do not
+    first, first_plain = clip["layers"][0]["linears"], plain["layers"][0]["linears"]
+    for a, b in zip(first, first_plain, strict=True):
+        assert a["name"] == b["name"] and a["error"] <= b["error"] * (1 + 1e-4), (a, b)
+    assert sum(x["error"] for x in first) < sum(x["error"] for x in first_plain)
+
+    def recorded(path: Path) -> list[float]:
+        return json.loads((path / "config.json").read_text())["quantization_config"]["qwen2om"]["clip_ratios"]
+    assert recorded(out) == [1.0, 0.95, 0.9, 0.85] and recorded(calibrated["gptq"]) == [1.0]
+    for method in ("awq", "rtn"):
+        with pytest.raises(CalibrationError, match="--clip-search searches GPTQ's clipping"):
+            CalibrationConfig(method=method, clip_search=True)
+
+
 def test_gptq_report_shows_lower_error_than_rtn(calibrated) -> None:
     report = json.loads((calibrated["gptq"] / "calibration_report.json").read_text())
     assert report["method"] == "gptq" and report["quantized"] == 28 and not report["fell_back_to_rtn"]

@@ -11,17 +11,19 @@ act-order), dampening 1 % of the mean diagonal, symmetric int4 in [-8, 7] with s
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qwen2om.builtin import resolve_model
 from qwen2om.checkpoint import Checkpoint
-from qwen2om.quant.gptq import gptq, output_error
+from qwen2om.quant.gptq import CLIP_RATIOS, gptq, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, rtn
 
 
 def reference_gptq(w: torch.Tensor, h: torch.Tensor, group: int, damp: float = 0.01,
-                   scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Symmetric int4 GPTQ with static act-order: returns the int codes [N, K]."""
+                   scale_dtype: torch.dtype = torch.bfloat16, ratio: float = 1.0) -> torch.Tensor:
+    """Symmetric int4 GPTQ with static act-order, every group's range clipped to `ratio` × its absmax:
+    returns the int codes [N, K]."""
     w = w.double().clone()
     n, k = w.shape
     h = h.double().clone()
@@ -29,7 +31,7 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, group: int, damp: float = 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     absmax = w.abs().reshape(n, k // group, group).amax(-1)
-    scale = (absmax / 7.5).to(scale_dtype).double()
+    scale = (absmax * ratio / 7.5).to(scale_dtype).double()
     scale[scale == 0] = 1.0
     order = torch.argsort(torch.diag(h), descending=True)
     h = h + damp * torch.diag(h).mean() * torch.eye(k, dtype=torch.float64)
@@ -82,3 +84,63 @@ def test_gptq_equals_an_independent_reference_on_a_real_layer() -> None:
     # the scales are the static, up-front ones: absmax/7.5 of the original weight, rounded to bf16
     absmax = w.abs().reshape(w.shape[0], -1, spec.group).amax(-1)
     assert torch.equal(got.scale, (absmax / 7.5).to(torch.bfloat16).float())
+
+
+def row_errors(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    dw = (w - w_hat).double()
+    return ((dw @ h.double()) * dw).sum(-1)
+
+
+def test_clip_search_keeps_each_rows_best_ratio() -> None:
+    """qwen2om's clip search (not in llm-compressor): every output row is GPTQ run with its groups'
+    ranges clipped by one of the candidate ratios, the ratio with the least output error for that row.
+    Checked against the float64 reference run once per ratio."""
+    w, x = layer0_inputs()
+    h = 2 * x.T @ x / x.shape[0]
+    spec = Int4Spec(64, True)
+    got = gptq(w, h, spec, scale_dtype=torch.bfloat16, clip_ratios=CLIP_RATIOS)
+    absmax = w.abs().reshape(w.shape[0], -1, spec.group).amax(-1)
+    scales = torch.stack([(absmax * r / 7.5).to(torch.bfloat16).float() for r in CLIP_RATIOS])  # [R, N, G]
+    refs = torch.stack([reference_gptq(w, h, spec.group, ratio=r) for r in CLIP_RATIOS])  # [R, N, K]
+    errors = torch.stack([row_errors(w, dequantize(refs[i].to(torch.int8), scales[i], None, spec.group), h)
+                          for i in range(len(CLIP_RATIOS))])  # [R, N]
+    picked = (got.scale[None] == scales).all(-1)  # [R, N]: which candidates' scales each row carries
+    assert picked.any(0).all(), "a row's scales are none of the candidates'"
+    ratio = picked.int().argmax(0)  # the first (largest) matching ratio; ties keep the larger one
+    rows = torch.arange(w.shape[0])
+    # the codes are the reference's at the ratio the row picked (float32 vs float64: nearly all)
+    assert (got.q.double() == refs[ratio, rows]).double().mean() > 0.99
+    # and that ratio is the row's best, up to the float32/float64 difference of near-equal candidates
+    chosen, best = errors[ratio, rows], errors.min(0).values
+    assert (chosen <= best * 1.02).all() and (chosen <= errors[0] * 1.0001).all()
+    assert len(set(ratio.tolist())) > 1, "every row kept one ratio: the search decided nothing here"
+    plain = output_error(w, dequantize(refs[0].to(torch.int8), scales[0], None, spec.group), h)
+    searched = output_error(w, dequantize(got.q, got.scale, None, spec.group), h)
+    assert searched < 0.95 * plain, (searched, plain)
+
+
+def test_one_ratio_is_plain_gptq() -> None:
+    w, x = layer0_inputs(1024)
+    h = 2 * x.T @ x / x.shape[0]
+    spec = Int4Spec(64, True)
+    a = gptq(w, h, spec, scale_dtype=torch.bfloat16)
+    b = gptq(w, h, spec, scale_dtype=torch.bfloat16, clip_ratios=(1.0,))
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+    with pytest.raises(ValueError, match="clip ratios must be in"):
+        gptq(w, h, spec, clip_ratios=(1.2,))
+
+
+def test_ratios_searched_a_few_at_a_time_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wide weight (an LM head) stacks fewer candidates per pass; the rows' choices do not change."""
+    import qwen2om.quant.gptq as gptq_module
+
+    w, x = layer0_inputs(1024)
+    h = 2 * x.T @ x / x.shape[0]
+    spec = Int4Spec(64, True)
+    together = gptq(w, h, spec, scale_dtype=torch.bfloat16, clip_ratios=CLIP_RATIOS)
+    monkeypatch.setattr(gptq_module, "STACK_ELEMENTS", w.numel())  # one ratio per pass
+    apart = gptq(w, h, spec, scale_dtype=torch.bfloat16, clip_ratios=CLIP_RATIOS)
+    # equal here; not asserted bit for bit, since a BLAS may block a product of another width differently
+    # and flip a rounding tie on another CPU
+    assert (together.q == apart.q).double().mean() > 0.999
+    assert (together.scale == apart.scale).all(-1).double().mean() > 0.99

@@ -42,7 +42,7 @@ from qwen2om.quant.config import calibration_config as calibration_config  # the
 from qwen2om.quant.device import torch_device
 from qwen2om.quant.experts import ExpertStats, expand_names, expanded_shape, expert_jobs, unfused_experts
 from qwen2om.quant.formats import FORMATS
-from qwen2om.quant.gptq import output_error
+from qwen2om.quant.gptq import CLIP_RATIOS, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, quantize, rtn
 from qwen2om.quant.pool import Pool, open_pool
 from qwen2om.quant.resume import CalibrationJournal
@@ -80,6 +80,11 @@ def compute_dtype(cfg: CalibrationConfig, ckpt: Checkpoint) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def clip_ratios(cfg: CalibrationConfig) -> tuple[float, ...]:
+    """GPTQ's candidate clipping ratios: the search's, or min-max alone."""
+    return CLIP_RATIOS if cfg.clip_search and "clip_search" in cfg.method_entry.reads else (1.0,)
+
+
 def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, Any]:
     import importlib.metadata
 
@@ -97,7 +102,8 @@ def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, 
                         "actorder": "static" if method.orders_columns and cfg.actorder else None},
         }},
         "ignore": ignore, "kv_cache_scheme": None, "version": version,
-        "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if method.needs_data else None},
+        "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if method.needs_data else None,
+                    **({"clip_ratios": list(clip_ratios(cfg))} if "clip_search" in method.reads else {})},
     }
 
 
@@ -545,7 +551,7 @@ def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path,
             log(note)
     threads = cfg.threads or torch.get_num_threads()
     samples = data.samples if data else []
-    settings = Settings(cfg.int4, cfg.method_entry.searches_scales, cfg.damp, cfg.actorder,
+    settings = Settings(cfg.int4, cfg.method_entry.searches_scales, cfg.damp, cfg.actorder, clip_ratios(cfg),
                         str(compute_dtype(cfg, ckpt)).removeprefix("torch."), str(device), threads,
                         cfg.activation_budget)
     # Everything that decides the checkpoint's bytes (not the workers: any number gives the same).

@@ -64,6 +64,7 @@ class Settings:
     searches_scales: bool  # AWQ: clipped rounding instead of GPTQ
     damp: float
     actorder: bool
+    clip_ratios: tuple[float, ...]  # GPTQ's candidate clipping ratios ((1.0,): min-max only)
     dtype: str  # the layers' compute dtype
     device: str  # torch device: cpu, cuda:i, npu:i
     threads: int  # torch intra-op threads: float sums depend on how a product is split
@@ -102,7 +103,8 @@ def solve(job: Job, s: Settings, device: torch.device) -> Solved:
         q, scale, zp = clip_quantize(w, h, s.spec, scale_dtype=job.scale_dtype)
     else:
         try:
-            r = gptq(w, h, s.spec, damp=s.damp, actorder=s.actorder, scale_dtype=job.scale_dtype, name=job.name)
+            r = gptq(w, h, s.spec, damp=s.damp, actorder=s.actorder, scale_dtype=job.scale_dtype, name=job.name,
+                     clip_ratios=s.clip_ratios)
         except ValueError as e:
             raise CalibrationError(str(e)) from None
         q, scale, zp, method, note = r.q, r.scale, r.zp, r.method, r.note
