@@ -110,9 +110,11 @@ def test_clip_search_keeps_each_rows_best_ratio() -> None:
     rows = torch.arange(w.shape[0])
     # the codes are the reference's at the ratio the row picked (float32 vs float64: nearly all)
     assert (got.q.double() == refs[ratio, rows]).double().mean() > 0.99
-    # and that ratio is the row's best, up to the float32/float64 difference of near-equal candidates
+    # and that ratio is the row's best, never worse than ratio 1's: up to 2 %, since the row chose on its
+    # float32 codes and is judged here on the float64 reference's (~1 % of codes differ; equal on this
+    # machine's CPU, but a near-tie may fall the other way on another)
     chosen, best = errors[ratio, rows], errors.min(0).values
-    assert (chosen <= best * 1.02).all() and (chosen <= errors[0] * 1.0001).all()
+    assert (chosen <= best * 1.02).all() and (chosen <= errors[0] * 1.02).all()
     assert len(set(ratio.tolist())) > 1, "every row kept one ratio: the search decided nothing here"
     plain = output_error(w, dequantize(refs[0].to(torch.int8), scales[0], None, spec.group), h)
     searched = output_error(w, dequantize(got.q, got.scale, None, spec.group), h)
