@@ -199,7 +199,9 @@ def test_clip_search_never_raises_an_error_and_is_recorded(calibrated, tmp_path)
     # layer 0 sees the same inputs in both runs (nothing is quantised before it); later layers do not
     first, first_plain = clip["layers"][0]["linears"], plain["layers"][0]["linears"]
     for a, b in zip(first, first_plain, strict=True):
-        assert a["name"] == b["name"] and a["error"] <= b["error"] * (1 + 1e-4), (a, b)
+        # 1 %: the search's ratio-1 rows run stacked with the others, a product another CPU's BLAS may block
+        # differently from the plain run's, so a code on a rounding boundary may fall the other way
+        assert a["name"] == b["name"] and a["error"] <= b["error"] * 1.01, (a, b)
     assert sum(x["error"] for x in first) < sum(x["error"] for x in first_plain)
 
     def recorded(path: Path) -> list[float]:
