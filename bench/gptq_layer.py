@@ -64,7 +64,8 @@ def collect(model_dir: Path, samples: list[list[int]], layer: int, dtype: torch.
 
     from qwen2om.quant.gptq import gram
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    # safetensors only: a checkpoint directory's pickle files are never loaded
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).eval()
     block = model.model.layers[layer]
     mods = {name.rsplit(".", 1)[-1]: m for name, m in block.named_modules()
             if name.rsplit(".", 1)[-1] in LINEARS and isinstance(m, torch.nn.Linear)}
@@ -277,6 +278,9 @@ def main() -> None:
     t_start = time.perf_counter()
     times: dict[str, float] = {}
     model_dir = resolve_model(args.model)
+    layers = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers", 0)
+    if not 0 <= args.layer < layers:
+        raise SystemExit(f"--layer {args.layer}: {args.model} has layers 0 … {layers - 1}")
     samples = windows(str(args.dataset), model_dir, num_samples=args.num_samples, seq_len=args.seq_len).samples
     t = time.perf_counter()
     weights, h32 = collect(model_dir, samples, args.layer, torch.float32)
@@ -293,7 +297,7 @@ def main() -> None:
         times["llmc_child"] = time.perf_counter() - t
         llmc = torch.load(dst, weights_only=True)
     t = time.perf_counter()
-    rows = {n: compare(weights[n], h32[n], h16[n], llmc[n], tuple(CLIP_RATIOS)) for n in LINEARS}
+    rows = {n: compare(weights[n], h32[n], h16[n], llmc[n], CLIP_RATIOS) for n in LINEARS}
     times["qwen2om_and_metrics"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
 

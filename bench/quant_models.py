@@ -11,8 +11,8 @@ model's held-out text with `qwen2om eval agree`'s pieces (qwen2om.evaluate: Scor
 float model's log-probabilities computed once per model): perplexity (non-overlapping windows), top-1
 agreement and mean KL(float ‖ quantised) per position. Each window's negative log-likelihood is kept, so
 a Δppl gets the standard error of the held-out text's sampling (window to window), and qwen2om GPTQ
-minus llm-compressor GPTQ a paired one (the same windows). Each row prints mean ± sd and min–max over the sets of Δppl
-(vs the float model), top-1 agreement, mean KL and calibration seconds, then one line per model: is
+minus llm-compressor GPTQ a paired one (the same windows). Each row prints mean ± sd and min–max over
+the sets of Δppl (vs the float model), top-1 agreement, mean KL and calibration seconds, then one line per model: is
 qwen2om GPTQ's mean Δppl ≤ llm-compressor's? RTN reads no data, so it runs once per model (n = 1).
 
 Calibration sets (deterministic, disjoint): the model's own training text (`train_text()` of its
@@ -148,37 +148,44 @@ class Judge:
 
     def __init__(self, src: Path, heldout: Path, window: int, max_windows: int) -> None:
         from qwen2om.datasets import windows
-        from qwen2om.evaluate import Scorer
+        from qwen2om.evaluate import Scorer, nll
 
         self.samples = windows(str(heldout), src, num_samples=max_windows, seq_len=window).samples
         ref = Scorer(src)
-        self.ref = [ref(ids) for ids in self.samples]
-        self.ref_nll = [nll_of(lp, ids) for lp, ids in zip(self.ref, self.samples, strict=True)]
+        try:
+            self.ref = [ref(ids) for ids in self.samples]
+        finally:
+            ref.close()
+        self.ref_nll = [nll(lp, ids) for lp, ids in zip(self.ref, self.samples, strict=True)]
         self.tokens = sum(len(ids) - 1 for ids in self.samples)
 
     def __call__(self, out: Path) -> dict[str, Any]:
         import numpy as np
 
-        from qwen2om.evaluate import Scorer
+        from qwen2om.evaluate import Scorer, nll
 
         model = Scorer(out)
         agree = kl = 0.0
         window_nll: list[float] = []
-        for ids, lb in zip(self.samples, self.ref, strict=True):
-            fa = model(ids)
-            la, lbt = fa[:-1], lb[:-1]  # the last position predicts past the window
-            agree += float((la.argmax(-1) == lbt.argmax(-1)).sum())
-            kl += float((np.exp(lbt) * (lbt - la)).sum())
-            window_nll.append(nll_of(fa, ids))
+        try:
+            for ids, lb in zip(self.samples, self.ref, strict=True):
+                fa = model(ids)
+                la, lbt = fa[:-1], lb[:-1]  # the last position predicts past the window
+                agree += float((la.argmax(-1) == lbt.argmax(-1)).sum())
+                kl += float((np.exp(lbt) * (lbt - la)).sum())
+                window_nll.append(nll(fa, ids))
+        finally:
+            model.close()
         return {"ppl": math.exp(sum(window_nll) / self.tokens), "ref_ppl": math.exp(sum(self.ref_nll) / self.tokens),
                 "top1": agree / self.tokens, "kl": kl / self.tokens, "tokens": self.tokens,
                 "window_dnll": [a - b for a, b in zip(window_nll, self.ref_nll, strict=True)]}
 
 
-def nll_of(logp: Any, ids: list[int]) -> float:
-    from qwen2om.evaluate import nll
-
-    return nll(logp, ids)
+def dppl_se(r: dict[str, Any], window_dnll: list[float]) -> float:
+    """The standard error of a Δppl from the held-out text's sampling, window to window: Δppl ≈ ppl ·
+    Σ Δnll / tokens, so ppl / (tokens per window) · sd(per-window Δnll) / √windows."""
+    d = window_dnll
+    return r["ref_ppl"] / (r["tokens"] / len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
 
 
 def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -191,11 +198,8 @@ def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]
         other = sets.get(r["set"])
         if other is None:
             continue
-        d = [x - y for x, y in zip(r["window_dnll"], other["window_dnll"], strict=True)]
-        tokens_per_window = r["tokens"] / len(d)
-        scale = r["ref_ppl"] / tokens_per_window  # Δppl ≈ ppl · Σ Δnll / tokens
         diffs.append((r["ppl"] - r["ref_ppl"]) - (other["ppl"] - other["ref_ppl"]))
-        ses.append(scale * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0)
+        ses.append(dppl_se(r, [x - y for x, y in zip(r["window_dnll"], other["window_dnll"], strict=True)]))
     if not diffs:
         return None
     return {"mean": statistics.fmean(diffs), "se": math.sqrt(sum(x * x for x in ses)) / len(ses), "n": len(diffs),
@@ -208,14 +212,9 @@ def spread(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def dppl_se(r: dict[str, Any]) -> float:
-    """The standard error of one run's Δppl from the held-out text's sampling (window to window)."""
-    d = r["window_dnll"]
-    return r["ref_ppl"] / (r["tokens"] / len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-
-
 def summarise(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    return {"dppl": spread([r["ppl"] - r["ref_ppl"] for r in results]), "dppl_se": spread(list(map(dppl_se, results))),
+    return {"dppl": spread([r["ppl"] - r["ref_ppl"] for r in results]),
+            "dppl_se": spread([dppl_se(r, r["window_dnll"]) for r in results]),
             "top1": spread([r["top1"] for r in results]),
             "kl": spread([r["kl"] for r in results]), "seconds": spread([r["seconds"] for r in results]),
             "wall": spread([r["wall"] for r in results])}
