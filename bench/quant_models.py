@@ -11,9 +11,11 @@ model's held-out text with `qwen2om eval agree`'s pieces (qwen2om.evaluate: Scor
 float model's log-probabilities computed once per model): perplexity (non-overlapping windows), top-1
 agreement and mean KL(float ‖ quantised) per position. Each window's negative log-likelihood is kept, so
 a Δppl gets the standard error of the held-out text's sampling (window to window), and qwen2om GPTQ
-minus llm-compressor GPTQ a paired one (the same windows). Each row prints mean ± sd and min–max over
-the sets of Δppl (vs the float model), top-1 agreement, mean KL and calibration seconds, then one line per model: is
-qwen2om GPTQ's mean Δppl ≤ llm-compressor's? RTN reads no data, so it runs once per model (n = 1).
+minus llm-compressor GPTQ a paired one (the same windows) beside the set-to-set one (which also holds
+how each calibration sample happens to round, the larger noise here); the paired KL difference likewise.
+Each row prints mean ± sd and min–max over the sets of Δppl (vs the float model), top-1 agreement, mean
+KL and calibration seconds, then one line per model: is qwen2om GPTQ's mean Δppl ≤ llm-compressor's? RTN
+reads no data, so it runs once per model (n = 1).
 
 Calibration sets (deterministic, disjoint): the model's own training text (`train_text()` of its
 corpus in qwen2om/fixtures/trained.py, which never holds a held-out paragraph) is cut at blank lines
@@ -188,22 +190,35 @@ def dppl_se(r: dict[str, Any], window_dnll: list[float]) -> float:
     return r["ref_ppl"] / (r["tokens"] / len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
 
 
-def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Δppl(a) − Δppl(b) over the sets both rows ran, with the standard error of the held-out text's
-    sampling: per set, ppl·(Δnll_a − Δnll_b) window by window (same windows), its mean's SE; over sets,
-    the mean and √(Σ SE²)/n."""
+def between_sets_se(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Δppl(a) − Δppl(b) and KL(a) − KL(b) over the sets both rows ran, and the mean difference's standard
+    errors from its two samples. Every set is scored on the same held-out windows, so the held-out text's
+    sampling error is shared by the sets and does not shrink with them: `se_heldout` takes each window's
+    Δnll difference averaged over the sets, then window to window (per set, `per_set_se`, the same on
+    that set alone). `se_sets`: set to set, sd(per-set differences)/√n — which calibration sample a tool
+    was given decides how its weights round. `se`: both, √(se_heldout² + se_sets²), a little
+    conservative (each set's difference also carries some held-out noise)."""
     sets = {r["set"]: r for r in b}
-    diffs, ses = [], []
+    diffs, ses, kls, windows = [], [], [], []
     for r in a:
         other = sets.get(r["set"])
         if other is None:
             continue
         diffs.append((r["ppl"] - r["ref_ppl"]) - (other["ppl"] - other["ref_ppl"]))
-        ses.append(dppl_se(r, [x - y for x, y in zip(r["window_dnll"], other["window_dnll"], strict=True)]))
+        windows.append([x - y for x, y in zip(r["window_dnll"], other["window_dnll"], strict=True)])
+        ses.append(dppl_se(r, windows[-1]))
+        kls.append(r["kl"] - other["kl"])
     if not diffs:
         return None
-    return {"mean": statistics.fmean(diffs), "se": math.sqrt(sum(x * x for x in ses)) / len(ses), "n": len(diffs),
-            "per_set": diffs, "per_set_se": ses}
+    heldout = dppl_se(a[0], [statistics.fmean(w) for w in zip(*windows, strict=True)])
+    between = between_sets_se(diffs) if len(diffs) > 1 else 0.0
+    return {"mean": statistics.fmean(diffs), "se": math.hypot(heldout, between), "se_heldout": heldout,
+            "se_sets": between, "n": len(diffs), "per_set": diffs, "per_set_se": ses,
+            "kl_mean": statistics.fmean(kls), "kl_se_sets": between_sets_se(kls), "kl_per_set": kls}
 
 
 # -- summary -------------------------------------------------------------------------------------------
@@ -249,10 +264,50 @@ def verdict(model: str, summary: dict[str, dict[str, Any]]) -> tuple[str, bool |
     line = (f"{model}: qwen2om GPTQ mean Δppl {ours['mean']:+.4f} {'≤' if ok else '>'} llm-compressor's "
             f"{theirs['mean']:+.4f}: {'yes' if ok else 'NO'}")
     if d := summary["gptq"].get("vs_llmc"):
-        each = ", ".join(f"{x:+.4f} ± {e:.4f}" for x, e in zip(d["per_set"], d["per_set_se"], strict=True))
-        line += (f" (difference {d['mean']:+.4f} ± {d['se']:.4f}, the held-out text's sampling error over "
-                 f"{d['n']} sets; per set {each})")
+        line += f" ({difference(d)})"
+    if d := summary.get("gptq-clip", {}).get("vs_llmc"):
+        line += f"\n{model}: qwen2om GPTQ --clip-search minus llm-compressor GPTQ: {difference(d)}"
     return line, ok
+
+
+def difference(d: dict[str, Any]) -> str:
+    """A paired difference in words: Δppl with its standard error (and that error's two parts), whether it
+    is beyond twice that, and the KL difference with its set-to-set error (KL's held-out error is small)."""
+    each = ", ".join(f"{x:+.4f} ± {e:.4f}" for x, e in zip(d["per_set"], d["per_set_se"], strict=True))
+    beyond = "beyond" if abs(d["mean"]) > 2 * d["se"] else "within"
+    return (f"Δppl difference {d['mean']:+.4f} ± {d['se']:.4f} ({beyond} 2 SE; held-out text "
+            f"± {d['se_heldout']:.4f}, set to set ± {d['se_sets']:.4f}) over {d['n']} sets, per set {each}; "
+            f"mean KL difference {d['kl_mean']:+.2e} ± {d['kl_se_sets']:.2e} set to set")
+
+
+def conclude(model: str, rows: list[str], results: dict[str, list[dict[str, Any]]], errors: dict[str, str]
+             ) -> tuple[dict[str, dict[str, Any]], str, bool | None]:
+    """Each row's summary over the sets, each qwen2om GPTQ row's paired difference from llm-compressor's,
+    and the verdict line."""
+    summary: dict[str, dict[str, Any]] = {row: {"error": errors[row]} if row in errors else summarise(results[row])
+                                          for row in rows}
+    if results.get("llmc") and "llmc" not in errors:
+        for row in ("gptq", "gptq-clip"):
+            if results.get(row) and row not in errors:
+                summary[row]["vs_llmc"] = paired(results[row], results["llmc"])
+    line, ok = verdict(model, summary)
+    return summary, line, ok
+
+
+def report(path: Path) -> int:
+    """Print an earlier run's tables again from its --json: its measurements, this script's statistics."""
+    try:
+        run = json.loads(path.read_text())
+        models = run["models"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path}: not a --json file of this benchmark ({e})") from None
+    for m in models:
+        rows = [r for r in ROWS if r in m["summary"]]
+        errors = {r: s["error"] for r, s in m["summary"].items() if "error" in s}
+        m["summary"], m["verdict"], m["gptq_at_least_as_good"] = conclude(m["model"], rows, m["results"], errors)
+        print_model(m, len(m["sets"]))
+    print(f"\n(measured in {run.get('seconds', '?')} s; re-summarised from {path})")
+    return 0
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -317,11 +372,7 @@ def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[s
                 raise SystemExit(f"{model} set {k}: {ROWS[row]} calibrated on windows sha256 "
                                  f"{timing['windows_sha256']}, not the set's {sha}")
             score(row, out, timing, k)
-    summary: dict[str, dict[str, Any]] = {row: {"error": errors[row]} if row in errors else summarise(results[row])
-                                          for row in rows}
-    if "gptq" in results and "llmc" in results and "error" not in summary["gptq"] and "llmc" not in errors:
-        summary["gptq"]["vs_llmc"] = paired(results["gptq"], results["llmc"])
-    line, ok = verdict(model, summary)
+    summary, line, ok = conclude(model, rows, results, errors)
     first = next((r for rs in results.values() for r in rs), {"ref_ppl": float("nan"), "tokens": "?"})
     return {"model": model, "source": str(src), "float_ppl": first["ref_ppl"], "heldout_tokens": first["tokens"],
             "samples": args.num_samples, "seq_len": args.seq_len, "sets": sets, "results": results,
@@ -351,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reuse", default="", help="comma-separated rows whose checkpoints from an earlier run on the "
                     "same windows are scored again instead of recalibrated (e.g. llmc, while changing qwen2om)")
+    ap.add_argument("--report", type=Path, metavar="JSON", help="print the tables of an earlier run's --json again "
+                    "(its measurements, this script's statistics); calibrates and scores nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(args.report)
     args.workdir = args.workdir.resolve()  # the children run in the repository root
     rows = args.rows.split(",")
     args.reuse = [r for r in args.reuse.split(",") if r]
