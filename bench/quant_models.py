@@ -144,7 +144,7 @@ def traced_calibrate(trace: str, argv: list[str]) -> None:
 
 # -- scoring -------------------------------------------------------------------------------------------
 class Judge:
-    """`qwen2om eval agree`'s measures (qwen2om.evaluate: Scorer, the same windows, log-softmax, nll) of a
+    """`qwen2om eval agree`'s measures (qwen2om.evaluate: Scorer, the same windows, window_agreement, nll) of a
     checkpoint against the float model, with the float model's log-probabilities computed once per model
     and each window's negative log-likelihood kept, so that differences get a standard error."""
 
@@ -162,9 +162,7 @@ class Judge:
         self.tokens = sum(len(ids) - 1 for ids in self.samples)
 
     def __call__(self, out: Path) -> dict[str, Any]:
-        import numpy as np
-
-        from qwen2om.evaluate import Scorer, nll
+        from qwen2om.evaluate import Scorer, nll, window_agreement
 
         model = Scorer(out)
         agree = kl = 0.0
@@ -172,9 +170,8 @@ class Judge:
         try:
             for ids, lb in zip(self.samples, self.ref, strict=True):
                 fa = model(ids)
-                la, lbt = fa[:-1], lb[:-1]  # the last position predicts past the window
-                agree += float((la.argmax(-1) == lbt.argmax(-1)).sum())
-                kl += float((np.exp(lbt) * (lbt - la)).sum())
+                same, div = window_agreement(fa, lb)
+                agree, kl = agree + same, kl + div
                 window_nll.append(nll(fa, ids))
         finally:
             model.close()

@@ -125,6 +125,13 @@ def nll(logp: np.ndarray, ids: list[int]) -> float:
     return float(-sum(logp[t, ids[t + 1]] for t in range(len(ids) - 1)))
 
 
+def window_agreement(fa: np.ndarray, fb: np.ndarray) -> tuple[float, float]:
+    """One window's log-probabilities of a model (fa) and its reference (fb): (positions whose top-1
+    tokens agree, Σ KL(reference ‖ model)). The last position predicts past the window: left out."""
+    la, lb = fa[:-1], fb[:-1]
+    return float((la.argmax(-1) == lb.argmax(-1)).sum()), float((np.exp(lb) * (lb - la)).sum())
+
+
 def perplexity(model: str, dataset: str, *, window: int = 256, max_windows: int = 16,
                progress: Callable[[int, int], None] = lambda d, t: None,
                log: Callable[[str], None] = lambda m: None, distributed: str | None = None,
@@ -182,9 +189,8 @@ def score_agreement(a: Scorer, b: Scorer, model: str, reference: str, dataset: s
     count = 0
     for i, ids in enumerate(data.samples):
         fa, fb = a(ids), b(ids)
-        la, lb = fa[:-1], fb[:-1]  # the last position predicts past the window
-        agree += float((la.argmax(-1) == lb.argmax(-1)).sum())
-        kl += float((np.exp(lb) * (lb - la)).sum())  # KL(reference ‖ model)
+        same, div = window_agreement(fa, fb)
+        agree, kl = agree + same, kl + div
         nll_a, nll_b = nll_a + nll(fa, ids), nll_b + nll(fb, ids)
         count += len(ids) - 1
         progress(i + 1, len(data.samples))

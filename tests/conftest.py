@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from qwen2om.srcroot import leave_source_root
+
+# `python -m pytest` from the repository root puts the root on sys.path, where kernels/ would stand in
+# for Hugging Face's `kernels` package (qwen2om/srcroot.py); `pytest` alone does not.
+leave_source_root()
+
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
 # llm-compressor's W4A16 output for builtin:tiny-qwen3 (bench/llmcompressor_w4a16.py), embedding left out.
 LLMCOMPRESSOR_W4A16 = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "llmcompressor-tiny-qwen3-w4a16"
