@@ -1,0 +1,317 @@
+"""GPTQ on a Hessian weighted by how much each token's output matters: the measured next step of issue 28.
+
+GPTQ minimises a linear's output error on the calibration tokens, every token counting alike:
+H = Σ 2·xxᵀ. The model's loss does not weigh tokens alike. Weighting each token's xxᵀ by the squared
+gradient of the loss at the linear's output (a diagonal-per-token Fisher approximation, as in
+GuidedQuant-style methods) makes GPTQ minimise an estimate of the loss increase instead:
+
+    H_fisher = Σ_t ‖g_t‖² · x_t x_tᵀ,          g_t = ∂ loss / ∂ (linear's output at token t)
+
+and, for q/k/v_proj, one such Hessian per attention head (‖g_t,head‖², the head's rows quantised
+against their own Hessian: GPTQ's rows are independent given H, so a row block may have its own).
+The gradient is either the empirical Fisher's (the calibration text's own next token) or the true
+Fisher's (a next token sampled from the model's own distribution).
+
+This script quantises the linears `--linears` of the layers `--layers`, the rest staying float (by
+default layer 0's q/k/v, which isolates them: on the trained builtins they hold ~93 % of the whole
+model's KL, see docs/benchmarks.md), with each Hessian variant in turn, and prints the held-out
+KL(float ‖ quantised) per position and Δppl against RTN and plain GPTQ. With `--layers all --linears all`
+it quantises the whole model; every Hessian, plain or weighted, then comes from the float model's
+forward (not sequentially from the already-quantised layers, as `calibrate` does), so the plain-H row is
+the control. Calibration windows are set `--set` of bench/quant_models.py's sets (the text both tools
+were given there); held-out windows are the model's held-out text.
+
+    QWEN2OM_CACHE=.cache/qwen2om .venv/bin/python bench/fisher_layer.py --model builtin:tiny-qwen3-code
+    # the whole model, one calibration set each, then mean ± sd over the sets
+    for k in 0 1 2 3; do .venv/bin/python bench/fisher_layer.py --layers all --linears all --windows 256 \\
+        --set $k --json set-$k.json; done; .venv/bin/python bench/fisher_layer.py --summarise set-*.json
+
+It is an experiment, not a calibrate option: the gradients need a backward pass through the whole model
+(memory that grows with model size, against `calibrate`'s layer-by-layer contract); docs/benchmarks.md
+says what a product version would need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from quant_models import calibration_text, heldout_text, split_sets
+
+GROUP = 128
+DAMP = 0.01
+HEAD_WISE = ("q_proj", "k_proj", "v_proj")
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_set(model: str, sets: int, index: int, path: Path) -> Path:
+    """Calibration set `index` of `sets`, exactly as bench/quant_models.py writes it."""
+    blocks = split_sets(calibration_text(model), sets)[index]
+    path.write_text("".join(json.dumps({"text": b}) + "\n" for b in blocks))
+    return path
+
+
+def targets(model: torch.nn.Module, layers: list[int], names: list[str]) -> dict[str, torch.nn.Linear]:
+    """The linears `names` of every layer in `layers`, keyed 'LAYER.NAME'."""
+    out: dict[str, torch.nn.Linear] = {}
+    for layer in layers:
+        found = {n.rsplit(".", 1)[-1]: m for n, m in model.model.layers[layer].named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise SystemExit(f"layer {layer} has no {missing} (it has {sorted(found)})")
+        out.update({f"{layer}.{n}": found[n] for n in names})
+    return out
+
+
+def head_wise(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in HEAD_WISE
+
+
+def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: list[list[int]],
+             head_dim: int, labels: str | None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Per linear: the plain H (labels None), or the Fisher-weighted one, [K, K] for the whole output
+    and, for q/k/v, [heads, K, K] under key 'NAME/head'. Normalised by the weights' sum (GPTQ and its
+    relative dampening do not see a uniform factor; it keeps the numbers readable)."""
+    sums: dict[str, torch.Tensor] = {}
+    norm: dict[str, float] = {}
+    head_norm: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(seed)
+
+    def forward_hook(name: str) -> Any:
+        def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            if labels is None:
+                add(name, x, x.T @ x, float(x.shape[0]))
+                return
+            inputs[name] = x
+            out.register_hook(grad_hook(name))
+        return hook
+
+    def grad_hook(name: str) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            x = inputs.pop(name)
+            g = g.detach().reshape(-1, g.shape[-1]).float()
+            w = (g * g).sum(1)
+            add(name, x, (x * w[:, None]).T @ x, float(w.sum()))
+            if head_wise(name):
+                wh = (g * g).reshape(g.shape[0], -1, head_dim).sum(2)  # [T, heads]
+                per = torch.stack([(x * wh[:, h, None]).T @ x for h in range(wh.shape[1])])
+                key = name + "/head"
+                sums[key] = sums[key] + per if key in sums else per
+                head_norm[key] = head_norm[key] + wh.sum(0) if key in head_norm else wh.sum(0)
+        return hook
+
+    def add(name: str, _x: torch.Tensor, hx: torch.Tensor, weight: float) -> None:
+        sums[name] = sums[name] + hx if name in sums else hx
+        norm[name] = norm.get(name, 0.0) + weight
+
+    handles = [m.register_forward_hook(forward_hook(n)) for n, m in mods.items()]
+    try:
+        for ids in samples:
+            t = torch.tensor([ids])
+            if labels is None:
+                with torch.no_grad():
+                    model(input_ids=t, use_cache=False)
+                continue
+            # The weights need no gradient; the embeddings' output does, so that one flows to every linear.
+            emb = model.get_input_embeddings()(t).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, use_cache=False).logits[0, :-1].float()
+            if labels == "empirical":
+                target = t[0, 1:]
+            else:  # the true Fisher: a next token drawn from the model's own distribution
+                target = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
+            torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {k: 2 * v / norm[k] for k, v in sums.items() if k in norm}
+    out.update({k: 2 * sums[k] / n[:, None, None] for k, n in head_norm.items()})
+    return out
+
+
+def quantise(w: torch.Tensor, h: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    """GPTQ (qwen2om's, plain min-max scales) of w against h: [K, K], or [heads, K, K] per row block."""
+    from qwen2om.quant.gptq import gptq
+    from qwen2om.quant.int4 import Int4Spec, dequantize
+
+    spec = Int4Spec(group=GROUP, symmetric=True)
+    if h.dim() == 2:
+        r = gptq(w, h, spec, damp=DAMP, actorder=True, scale_dtype=torch.bfloat16)
+        return dequantize(r.q, r.scale, None, GROUP)
+    assert head_dim is not None
+    blocks = [quantise(w[i * head_dim:(i + 1) * head_dim], h[i], None) for i in range(h.shape[0])]
+    return torch.cat(blocks)
+
+
+def rtn(w: torch.Tensor) -> torch.Tensor:
+    from qwen2om.quant.int4 import Int4Spec, dequantize, qparams, quantize
+
+    spec = Int4Spec(group=GROUP, symmetric=True)
+    s = qparams(w, spec)[0].to(torch.bfloat16).float()
+    return dequantize(quantize(w, s, torch.zeros_like(s), GROUP), s, None, GROUP)
+
+
+class Heldout:
+    """KL(float ‖ model) per position and Δppl on fixed held-out windows, the float side computed once."""
+
+    def __init__(self, model: torch.nn.Module, samples: list[list[int]]) -> None:
+        self.model, self.samples = model, samples
+        self.ref = [self._logp(ids) for ids in samples]
+        self.tokens = sum(len(ids) - 1 for ids in samples)
+        self.ref_nll = sum(self._nll(lp, ids) for lp, ids in zip(self.ref, samples, strict=True))
+
+    def _logp(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].float(),
+                                     -1)
+
+    @staticmethod
+    def _nll(lp: torch.Tensor, ids: list[int]) -> float:
+        return -float(lp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+
+    def __call__(self) -> dict[str, float]:
+        kl = nll = 0.0
+        for ids, ref in zip(self.samples, self.ref, strict=True):
+            lp = self._logp(ids)
+            kl += float((ref.exp() * (ref - lp)).sum())
+            nll += self._nll(lp, ids)
+        ppl, ref_ppl = math.exp(nll / self.tokens), math.exp(self.ref_nll / self.tokens)
+        return {"kl": kl / self.tokens, "dppl": ppl - ref_ppl, "ref_ppl": ref_ppl}
+
+
+def summarise(paths: list[Path]) -> int:
+    """Mean ± sd over several runs' --json files (e.g. one per calibration set), per model and row."""
+    import statistics
+
+    def sd(values: list[float]) -> float:
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for p in paths:
+        r = json.loads(p.read_text())
+        runs.setdefault(r["model"], []).append(r)
+    for model, rs in runs.items():
+        print(f"\n# {model}: {len(rs)} runs (sets {', '.join(str(r['set']) for r in rs)}), "
+              f"layers {rs[0]['layers']}, {', '.join(rs[0]['linears'])}\n")
+        print("| Hessian | held-out KL, mean ± sd | vs plain GPTQ, mean over runs | Δppl, mean ± sd |")
+        print("|---|---:|---:|---:|")
+        for row in rs[0]["rows"]:
+            if row == "float":
+                continue
+            kl = [r["rows"][row]["kl"] for r in rs]
+            rel = [r["rows"][row]["kl"] / r["rows"]["GPTQ (plain H)"]["kl"] - 1 for r in rs]
+            dp = [r["rows"][row]["dppl"] for r in rs]
+            print(f"| {row} | {statistics.fmean(kl):.3e} ± {sd(kl):.1e} | {100 * statistics.fmean(rel):+.1f} % | "
+                  f"{statistics.fmean(dp):+.4f} ± {sd(dp):.4f} |")
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--summarise"]:
+        return summarise([Path(a) for a in sys.argv[2:]])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="bench/fisher_layer.py --summarise RUN.json ...: mean ± sd over recorded runs")
+    ap.add_argument("--model", default="builtin:tiny-qwen3-trained")
+    ap.add_argument("--layers", default="0", help="comma-separated layer indices, or 'all'")
+    ap.add_argument("--linears", default="q_proj,k_proj,v_proj",
+                    help="comma-separated linears of each of --layers, or 'all' (the seven of a dense layer)")
+    ap.add_argument("--sets", type=int, default=4, help="bench/quant_models.py's --sets (decides set 0's blocks)")
+    ap.add_argument("--set", type=int, default=0, help="which calibration set")
+    ap.add_argument("--num-samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
+    ap.add_argument("--windows", type=int, default=64, help="held-out windows at most")
+    ap.add_argument("--json", type=Path, help="write every number here")
+    args = ap.parse_args()
+    if not 0 <= args.set < args.sets:
+        ap.error(f"--set {args.set}: there are sets 0 … {args.sets - 1}")
+
+    from transformers import AutoModelForCausalLM
+
+    from qwen2om.builtin import resolve_model
+    from qwen2om.datasets import windows
+
+    torch.manual_seed(0)
+    src = resolve_model(args.model)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, use_safetensors=True).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)  # gradients flow to activations only: the hooks read them there
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_layers = cfg.num_hidden_layers
+    layers = list(range(n_layers)) if args.layers == "all" else [int(i) for i in args.layers.split(",")]
+    if any(not 0 <= i < n_layers for i in layers):
+        raise SystemExit(f"--layers {args.layers}: {args.model} has layers 0 … {n_layers - 1}")
+    linears = list(ALL_LINEARS) if args.linears == "all" else args.linears.split(",")
+    mods = targets(model, layers, linears)
+    with tempfile.TemporaryDirectory(prefix="fisher_layer-") as tmp:
+        cal = write_set(args.model, args.sets, args.set, Path(tmp) / "set.jsonl")
+        samples = windows(str(cal), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
+        held = Path(tmp) / "heldout.txt"
+        held.write_text(heldout_text(args.model))
+        held_samples = windows(str(held), src, num_samples=args.windows, seq_len=args.window).samples
+    judge = Heldout(model, held_samples)
+    original = {n: m.weight.detach().clone() for n, m in mods.items()}
+
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    hs: dict[str, dict[str, torch.Tensor]] = {"plain": hessians(model, mods, samples, head_dim, None)}
+    times["plain H"] = time.perf_counter() - t
+    for labels in ("empirical", "true"):
+        t = time.perf_counter()
+        hs[labels] = hessians(model, mods, samples, head_dim, labels)
+        times[f"{labels} Fisher H (forward + backward)"] = time.perf_counter() - t
+
+    def score(name: str, weight_of: Any) -> dict[str, float]:
+        t0 = time.perf_counter()
+        for n, m in mods.items():
+            m.weight.data.copy_(weight_of(n))
+        r = judge()
+        for n, m in mods.items():
+            m.weight.data.copy_(original[n])
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"  {name}: KL {r['kl']:.3e}, Δppl {r['dppl']:+.4f}", file=sys.stderr, flush=True)
+        return r
+
+    rows: dict[str, dict[str, float]] = {"float": judge(), "RTN": score("RTN", lambda n: rtn(original[n])),
+                                         "GPTQ (plain H)": score("GPTQ", lambda n: quantise(original[n],
+                                                                                             hs["plain"][n], None))}
+    for labels in ("empirical", "true"):
+        h = hs[labels]
+        rows[f"GPTQ, {labels} Fisher, whole output"] = score(
+            f"{labels} whole", lambda n, h=h: quantise(original[n], h[n], None))
+        rows[f"GPTQ, {labels} Fisher, per head (q/k/v)"] = score(
+            f"{labels} head", lambda n, h=h: quantise(original[n], h.get(n + "/head", h[n]), head_dim))
+
+    base = rows["GPTQ (plain H)"]["kl"]
+    n_tok = sum(map(len, samples))
+    print(f"# {args.model}: layers {args.layers}, {', '.join(linears)} quantised (int4, group {GROUP}, symmetric), "
+          f"the rest float; calibration set {args.set} of {args.sets}, {len(samples)} × {args.seq_len} "
+          f"({n_tok} tokens); held-out {len(held_samples)} windows × {args.window} ({judge.tokens} scored "
+          f"positions), float ppl {rows['float']['ref_ppl']:.2f}\n")
+    print("| Hessian | held-out KL | vs plain GPTQ | Δppl |")
+    print("|---|---:|---:|---:|")
+    for name, r in rows.items():
+        if name == "float":
+            continue
+        print(f"| {name} | {r['kl']:.3e} | {100 * (r['kl'] / base - 1):+.1f} % | {r['dppl']:+.4f} |")
+    print("\ntimes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "layers": layers, "linears": linears,
+                                         "set": args.set, "sets": args.sets, "calibration_tokens": n_tok,
+                                         "heldout_positions": judge.tokens, "times_s": times, "rows": rows},
+                                        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
