@@ -77,9 +77,10 @@ def head_wise(key: str) -> bool:
 
 def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: list[list[int]],
              head_dim: int, labels: str | None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Per linear: the plain H (labels None), or the Fisher-weighted one, [K, K] for the whole output
-    and, for q/k/v, [heads, K, K] under key 'NAME/head'. Normalised by the weights' sum (GPTQ and its
-    relative dampening do not see a uniform factor; it keeps the numbers readable)."""
+    """Per linear (key 'LAYER.NAME'): the plain H (labels None), or the Fisher-weighted one ('empirical' or
+    'true'), [K, K] for the whole output and, for q/k/v, [heads, K, K] under 'LAYER.NAME/head'. Each is
+    divided by its weights' sum (GPTQ and its relative dampening ignore a uniform factor; this keeps the
+    numbers readable)."""
     sums: dict[str, torch.Tensor] = {}
     norm: dict[str, float] = {}
     head_norm: dict[str, torch.Tensor] = {}
@@ -90,7 +91,7 @@ def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: 
         def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             if labels is None:
-                add(name, x, x.T @ x, float(x.shape[0]))
+                add(name, x.T @ x, float(x.shape[0]))
                 return
             inputs[name] = x
             out.register_hook(grad_hook(name))
@@ -101,7 +102,7 @@ def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: 
             x = inputs.pop(name)
             g = g.detach().reshape(-1, g.shape[-1]).float()
             w = (g * g).sum(1)
-            add(name, x, (x * w[:, None]).T @ x, float(w.sum()))
+            add(name, (x * w[:, None]).T @ x, float(w.sum()))
             if head_wise(name):
                 wh = (g * g).reshape(g.shape[0], -1, head_dim).sum(2)  # [T, heads]
                 per = torch.stack([(x * wh[:, h, None]).T @ x for h in range(wh.shape[1])])
@@ -110,7 +111,7 @@ def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: 
                 head_norm[key] = head_norm[key] + wh.sum(0) if key in head_norm else wh.sum(0)
         return hook
 
-    def add(name: str, _x: torch.Tensor, hx: torch.Tensor, weight: float) -> None:
+    def add(name: str, hx: torch.Tensor, weight: float) -> None:
         sums[name] = sums[name] + hx if name in sums else hx
         norm[name] = norm.get(name, 0.0) + weight
 
