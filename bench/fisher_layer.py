@@ -58,6 +58,18 @@ def write_set(model: str, sets: int, index: int, path: Path) -> Path:
     return path
 
 
+def record_samples(set_path: Path, model_dir: Path, num_samples: int, seq_len: int) -> list[list[int]]:
+    """The set's paragraphs (its text cut at blank lines) as llm-compressor's `oneshot` makes samples of a
+    dataset's records: one record, one sample, truncated to `seq_len`, never packed — so short records
+    give short samples and fewer tokens than `num_samples` × `seq_len`."""
+    from qwen2om.datasets import Encoder
+
+    enc = Encoder(model_dir)
+    paragraphs = [p for line in set_path.read_text().splitlines()
+                  for p in json.loads(line)["text"].split("\n\n") if p.strip()]
+    return [enc.encode(p)[:seq_len] for p in paragraphs[:num_samples]]
+
+
 def targets(model: torch.nn.Module, layers: list[int], names: list[str]) -> dict[str, torch.nn.Linear]:
     """The linears `names` of every layer in `layers`, keyed 'LAYER.NAME'."""
     out: dict[str, torch.nn.Linear] = {}
@@ -202,7 +214,9 @@ def summarise(paths: list[Path]) -> int:
         runs.setdefault(r["model"], []).append(r)
     for model, rs in runs.items():
         print(f"\n# {model}: {len(rs)} runs (sets {', '.join(str(r['set']) for r in rs)}), "
-              f"layers {rs[0]['layers']}, {', '.join(rs[0]['linears'])}\n")
+              f"layers {rs[0]['layers']}, {', '.join(rs[0]['linears'])}; calibration "
+              f"{rs[0].get('samples', 'packed')}, {statistics.fmean(r['calibration_tokens'] for r in rs):.0f} tokens "
+              "a run on average\n")
         print("| Hessian | held-out KL, mean ± sd | vs plain GPTQ, mean over runs | Δppl, mean ± sd |")
         print("|---|---:|---:|---:|")
         for row in rs[0]["rows"]:
@@ -228,6 +242,10 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=4, help="bench/quant_models.py's --sets (decides set 0's blocks)")
     ap.add_argument("--set", type=int, default=0, help="which calibration set")
     ap.add_argument("--num-samples", type=int, default=128)
+    ap.add_argument("--samples", choices=("packed", "records"), default="packed",
+                    help="packed: the set's records joined by end-of-text and cut into full windows, as `qwen2om "
+                    "calibrate` does; records: each paragraph one sample truncated to --seq-len, as "
+                    "llm-compressor's oneshot does with a dataset")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
     ap.add_argument("--windows", type=int, default=64, help="held-out windows at most")
@@ -256,7 +274,10 @@ def main() -> int:
     mods = targets(model, layers, linears)
     with tempfile.TemporaryDirectory(prefix="fisher_layer-") as tmp:
         cal = write_set(args.model, args.sets, args.set, Path(tmp) / "set.jsonl")
-        samples = windows(str(cal), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
+        if args.samples == "packed":
+            samples = windows(str(cal), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
+        else:
+            samples = record_samples(cal, src, args.num_samples, args.seq_len)
         held = Path(tmp) / "heldout.txt"
         held.write_text(heldout_text(args.model))
         held_samples = windows(str(held), src, num_samples=args.windows, seq_len=args.window).samples
@@ -296,9 +317,9 @@ def main() -> int:
     base = rows["GPTQ (plain H)"]["kl"]
     n_tok = sum(map(len, samples))
     print(f"# {args.model}: layers {args.layers}, {', '.join(linears)} quantised (int4, group {GROUP}, symmetric), "
-          f"the rest float; calibration set {args.set} of {args.sets}, {len(samples)} × {args.seq_len} "
-          f"({n_tok} tokens); held-out {len(held_samples)} windows × {args.window} ({judge.tokens} scored "
-          f"positions), float ppl {rows['float']['ref_ppl']:.2f}\n")
+          f"the rest float; calibration set {args.set} of {args.sets}, {args.samples}: {len(samples)} samples "
+          f"of ≤ {args.seq_len} ({n_tok} tokens); held-out {len(held_samples)} windows × {args.window} "
+          f"({judge.tokens} scored positions), float ppl {rows['float']['ref_ppl']:.2f}\n")
     print("| Hessian | held-out KL | vs plain GPTQ | Δppl |")
     print("|---|---:|---:|---:|")
     for name, r in rows.items():
@@ -308,7 +329,8 @@ def main() -> int:
     print("\ntimes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "layers": layers, "linears": linears,
-                                         "set": args.set, "sets": args.sets, "calibration_tokens": n_tok,
+                                         "set": args.set, "sets": args.sets, "samples": args.samples,
+                                         "num_samples": len(samples), "calibration_tokens": n_tok,
                                          "heldout_positions": judge.tokens, "times_s": times, "rows": rows},
                                         indent=1) + "\n")
     return 0
