@@ -19,7 +19,10 @@ KL(float ‖ quantised) per position and Δppl against RTN and plain GPTQ. With 
 it quantises the whole model; every Hessian, plain or weighted, then comes from the float model's
 forward (not sequentially from the already-quantised layers, as `calibrate` does), so the plain-H row is
 the control. Calibration windows are set `--set` of bench/quant_models.py's sets (the text both tools
-were given there); held-out windows are the model's held-out text.
+were given there), packed into full windows as `qwen2om calibrate` does, or with `--samples records`
+one sample per paragraph truncated to --seq-len, as llm-compressor's `oneshot` makes them from a
+dataset's records (fewer, shorter samples: the same GPTQ on what such a run sees); held-out windows are
+the model's held-out text.
 
     QWEN2OM_CACHE=.cache/qwen2om .venv/bin/python bench/fisher_layer.py --model builtin:tiny-qwen3-code
     # the whole model, one calibration set each, then mean ± sd over the sets
