@@ -45,31 +45,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from quant_models import calibration_text, heldout_text, split_sets
+from gptq_layer import LINEARS
+from quant_models import calibration_text, heldout_text, read_json, split_sets, write_set
 
 GROUP = 128
 DAMP = 0.01
 HEAD_WISE = ("q_proj", "k_proj", "v_proj")
-ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_set(model: str, sets: int, index: int, path: Path) -> Path:
-    """Calibration set `index` of `sets`, exactly as bench/quant_models.py writes it."""
-    blocks = split_sets(calibration_text(model), sets)[index]
-    path.write_text("".join(json.dumps({"text": b}) + "\n" for b in blocks))
-    return path
-
-
-def record_samples(set_path: Path, model_dir: Path, num_samples: int, seq_len: int) -> list[list[int]]:
-    """The set's paragraphs (its text cut at blank lines) as llm-compressor's `oneshot` makes samples of a
+def record_samples(blocks: list[str], model_dir: Path, num_samples: int, seq_len: int) -> list[list[int]]:
+    """The set's paragraphs (its blocks cut at blank lines) as llm-compressor's `oneshot` makes samples of a
     dataset's records: one record, one sample, truncated to `seq_len`, never packed — so short records
     give short samples and fewer tokens than `num_samples` × `seq_len`."""
     from qwen2om.datasets import Encoder
 
     enc = Encoder(model_dir)
-    paragraphs = [p for line in set_path.read_text().splitlines()
-                  for p in json.loads(line)["text"].split("\n\n") if p.strip()]
+    paragraphs = [p for block in blocks for p in block.split("\n\n") if p.strip()]
     return [enc.encode(p)[:seq_len] for p in paragraphs[:num_samples]]
 
 
@@ -177,30 +170,31 @@ def rtn(w: torch.Tensor) -> torch.Tensor:
 
 
 class Heldout:
-    """KL(float ‖ model) per position and Δppl on fixed held-out windows, the float side computed once."""
+    """KL(float ‖ model) per position and Δppl on fixed held-out windows, the float side computed once; the
+    measures are `qwen2om eval agree`'s (qwen2om.evaluate: window_agreement, nll)."""
 
     def __init__(self, model: torch.nn.Module, samples: list[list[int]]) -> None:
+        from qwen2om.evaluate import nll
+
         self.model, self.samples = model, samples
         self.ref = [self._logp(ids) for ids in samples]
         self.tokens = sum(len(ids) - 1 for ids in samples)
-        self.ref_nll = sum(self._nll(lp, ids) for lp, ids in zip(self.ref, samples, strict=True))
+        self.ref_nll = sum(nll(lp, ids) for lp, ids in zip(self.ref, samples, strict=True))
 
-    def _logp(self, ids: list[int]) -> torch.Tensor:
+    def _logp(self, ids: list[int]) -> np.ndarray:
         with torch.no_grad():
-            return torch.log_softmax(self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].float(),
-                                     -1)
-
-    @staticmethod
-    def _nll(lp: torch.Tensor, ids: list[int]) -> float:
-        return -float(lp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+            logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+        return torch.log_softmax(logits, -1).numpy()
 
     def __call__(self) -> dict[str, float]:
-        kl = nll = 0.0
+        from qwen2om.evaluate import nll, window_agreement
+
+        kl = total = 0.0
         for ids, ref in zip(self.samples, self.ref, strict=True):
             lp = self._logp(ids)
-            kl += float((ref.exp() * (ref - lp)).sum())
-            nll += self._nll(lp, ids)
-        ppl, ref_ppl = math.exp(nll / self.tokens), math.exp(self.ref_nll / self.tokens)
+            kl += window_agreement(lp, ref)[1]
+            total += nll(lp, ids)
+        ppl, ref_ppl = math.exp(total / self.tokens), math.exp(self.ref_nll / self.tokens)
         return {"kl": kl / self.tokens, "dppl": ppl - ref_ppl, "ref_ppl": ref_ppl}
 
 
@@ -213,7 +207,9 @@ def summarise(paths: list[Path]) -> int:
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for p in paths:
-        r = json.loads(p.read_text())
+        r = read_json(p, "a --json file of bench/fisher_layer.py")
+        if not isinstance(r, dict) or not {"model", "set", "rows"} <= r.keys():
+            raise SystemExit(f"{p}: not a --json file of bench/fisher_layer.py (no model, set or rows)")
         runs.setdefault(r["model"], []).append(r)
     for model, rs in runs.items():
         print(f"\n# {model}: {len(rs)} runs (sets {', '.join(str(r['set']) for r in rs)}), "
@@ -273,14 +269,16 @@ def main() -> int:
     layers = list(range(n_layers)) if args.layers == "all" else [int(i) for i in args.layers.split(",")]
     if any(not 0 <= i < n_layers for i in layers):
         raise SystemExit(f"--layers {args.layers}: {args.model} has layers 0 … {n_layers - 1}")
-    linears = list(ALL_LINEARS) if args.linears == "all" else args.linears.split(",")
+    linears = list(LINEARS) if args.linears == "all" else args.linears.split(",")
     mods = targets(model, layers, linears)
     with tempfile.TemporaryDirectory(prefix="fisher_layer-") as tmp:
-        cal = write_set(args.model, args.sets, args.set, Path(tmp) / "set.jsonl")
+        # The set exactly as bench/quant_models.py cuts and writes it.
+        blocks = split_sets(calibration_text(args.model), args.sets)[args.set]
         if args.samples == "packed":
+            cal = write_set(Path(tmp) / "set.jsonl", blocks)
             samples = windows(str(cal), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
         else:
-            samples = record_samples(cal, src, args.num_samples, args.seq_len)
+            samples = record_samples(blocks, src, args.num_samples, args.seq_len)
         held = Path(tmp) / "heldout.txt"
         held.write_text(heldout_text(args.model))
         held_samples = windows(str(held), src, num_samples=args.windows, seq_len=args.window).samples

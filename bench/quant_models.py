@@ -101,6 +101,22 @@ def split_sets(text: str, sets: int, block_chars: int = BLOCK_CHARS) -> list[lis
     return [blocks[k::sets] for k in range(sets)]
 
 
+def write_set(path: Path, blocks: list[str]) -> Path:
+    """A calibration set as the JSONL both tools read: one `{"text": block}` record a block, in order."""
+    path.write_text("".join(json.dumps({"text": b}, ensure_ascii=False) + "\n" for b in blocks))
+    return path
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A recorded run's JSON, or a clear refusal (not a regular file — a FIFO would block —, unreadable, not JSON)."""
+    if not path.is_file():
+        raise SystemExit(f"{path}: not a regular file; expected {what}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not {what} ({e})") from None
+
+
 # -- one calibration each ----------------------------------------------------------------------------
 def qwen2om_calibrate(row: str, src: Path, out: Path, dataset: Path | None, args: argparse.Namespace
                       ) -> dict[str, Any]:
@@ -293,10 +309,10 @@ def conclude(model: str, rows: list[str], results: dict[str, list[dict[str, Any]
 
 def report(path: Path) -> int:
     """Print an earlier run's tables again from its --json: its measurements, this script's statistics."""
+    run = read_json(path, "a --json file of this benchmark")
     try:
-        run = json.loads(path.read_text())
         models = run["models"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a --json file of this benchmark ({e})") from None
     for m in models:
         rows = [r for r in ROWS if r in m["summary"]]
@@ -339,8 +355,7 @@ def bench_model(model: str, rows: list[str], args: argparse.Namespace) -> dict[s
     if "llmc" in rows and not LLMC_PY.exists():
         errors["llmc"] = f"{LLMC_PY} not found (see bench/llmcompressor_w4a16.py)"
     for k, blocks in enumerate(set_texts):
-        dataset = work / f"set-{k}.jsonl"
-        dataset.write_text("".join(json.dumps({"text": b}, ensure_ascii=False) + "\n" for b in blocks))
+        dataset = write_set(work / f"set-{k}.jsonl", blocks)
         data = windows(str(dataset), src, num_samples=args.num_samples, seq_len=args.seq_len)
         for note in data.notes:
             log(f"{model} set {k}: {note}")
