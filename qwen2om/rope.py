@@ -8,6 +8,8 @@ frequencies fall into fp16 subnormals and get flushed on the NPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,6 +28,20 @@ def hf_config(cfg: dict[str, Any]) -> transformers.PretrainedConfig:
     except (KeyError, TypeError, ValueError, StrictDataclassError) as e:
         why = " ".join(str(e).split())
         raise CheckpointError(f"config.json: transformers cannot read this config: {why}") from None
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the block. float64 cos/sin of a [512, 128] table split over two
+    threads came out different in the last bits in about 1 run in 15 on an AVX-512 Xeon (same process,
+    same inputs), and now and then that survived the rounding to float32 and changed `calibrate`'s
+    checkpoint bytes; on one thread 40 runs of 40 agreed, with the value the threaded runs mostly give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rope_tables(cfg: dict[str, Any], positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +63,7 @@ def rope_tables(cfg: dict[str, Any], positions: int) -> tuple[torch.Tensor, torc
     else:
         raise CheckpointError(f"config.json: unknown rope_type {rope_type!r}")
     pos = torch.arange(positions, dtype=torch.float64)
-    freqs = torch.outer(pos, inv_freq.to(torch.float64))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).float(), (emb.sin() * scaling).float()
+    with one_thread():  # the same bits in every run (see one_thread)
+        freqs = torch.outer(pos, inv_freq.to(torch.float64))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).float(), (emb.sin() * scaling).float()
