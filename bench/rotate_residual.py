@@ -65,6 +65,8 @@ def rotate(src: Path, dst: Path, dtype: torch.dtype, seed: int | None = 0) -> No
     cfg = json.loads((src / "config.json").read_text())
     if cfg.get("model_type") not in ("qwen3", "qwen2"):
         raise SystemExit(f"{src}: model_type {cfg.get('model_type')!r}; this experiment folds dense Qwen2/Qwen3 only")
+    if not (src / "model.safetensors").is_file():
+        raise SystemExit(f"{src}: no single model.safetensors (this experiment reads unsharded checkpoints)")
     sd = {k: v.double() for k, v in load_file(src / "model.safetensors").items()}
     r = rotation(cfg["hidden_size"], seed)
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
