@@ -258,6 +258,8 @@ def main() -> int:
     from qwen2om.builtin import resolve_model
     from qwen2om.datasets import windows
 
+    # First the texts: they refuse anything but a trained builtin, so no other path is resolved or read.
+    train, heldout = calibration_text(args.model), heldout_text(args.model)
     torch.manual_seed(0)
     src = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, use_safetensors=True).eval()
@@ -273,14 +275,14 @@ def main() -> int:
     mods = targets(model, layers, linears)
     with tempfile.TemporaryDirectory(prefix="fisher_layer-") as tmp:
         # The set exactly as bench/quant_models.py cuts and writes it.
-        blocks = split_sets(calibration_text(args.model), args.sets)[args.set]
+        blocks = split_sets(train, args.sets)[args.set]
         if args.samples == "packed":
             cal = write_set(Path(tmp) / "set.jsonl", blocks)
             samples = windows(str(cal), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
         else:
             samples = record_samples(blocks, src, args.num_samples, args.seq_len)
         held = Path(tmp) / "heldout.txt"
-        held.write_text(heldout_text(args.model))
+        held.write_text(heldout)
         held_samples = windows(str(held), src, num_samples=args.windows, seq_len=args.window).samples
     judge = Heldout(model, held_samples)
     original = {n: m.weight.detach().clone() for n, m in mods.items()}

@@ -57,6 +57,7 @@ ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "gptq-clip": "qwen2om gptq
         "llmc": "llm-compressor gptq"}
 FLAGS = {"gptq-clip": ["--method", "gptq", "--clip-search"]}  # a row's calibrate flags (default: --method ROW)
 BLOCK_CHARS = 4096
+MAX_JSON = 64 << 20  # a recorded run is kilobytes; refuse reading something else whole
 
 
 # -- per-model text: the two functions to adapt when a model's texts come from elsewhere -------------
@@ -111,6 +112,8 @@ def read_json(path: Path, what: str) -> Any:
     """A recorded run's JSON, or a clear refusal (not a regular file — a FIFO would block —, unreadable, not JSON)."""
     if not path.is_file():
         raise SystemExit(f"{path}: not a regular file; expected {what}")
+    if path.stat().st_size > MAX_JSON:
+        raise SystemExit(f"{path}: {path.stat().st_size:,} bytes, too large for {what} ({MAX_JSON:,} at most)")
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:

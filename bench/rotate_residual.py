@@ -28,13 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from quant_models import MODELS, Judge, calibration_text, heldout_text, qwen2om_calibrate, split_sets, write_set
+from quant_models import (
+    MODELS,
+    Judge,
+    calibration_text,
+    heldout_text,
+    paired,
+    qwen2om_calibrate,
+    split_sets,
+    summarise,
+    write_set,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 READ = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # linears whose input is the normed residual
@@ -105,19 +114,15 @@ def dppl(r: dict[str, Any]) -> float:
     return r["ppl"] - r["ref_ppl"]
 
 
-def mean_sd(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):+.4f} ± {sd:.4f}"
-
-
 def bench_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from qwen2om.builtin import resolve_model
 
+    heldout = heldout_text(model)  # first: it refuses anything but a trained builtin, before a file is read
     src = resolve_model(model)
     work = args.workdir / model.removeprefix("builtin:")
     work.mkdir(parents=True, exist_ok=True)
     held = work / "heldout.txt"
-    held.write_text(heldout_text(model))
+    held.write_text(heldout)
     judge = Judge(src, held, args.window, args.windows)
     ckpts, checks = {"plain": src}, {}
     for seed in args.seeds:
@@ -142,18 +147,20 @@ def bench_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> None:
-    print("\n| model | GPTQ on | Δppl mean ± sd | mean KL | top-1 % | − plain, paired: Δppl | KL |")
+    """Per model and checkpoint: bench/quant_models.py's summary over the sets, and its paired difference from
+    GPTQ on the original weights (standard error from the held-out windows and from set to set)."""
+    print("\n| model | GPTQ on | Δppl mean ± sd | mean KL | top-1 % | − plain, paired: Δppl ± SE | KL |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for m in results:
-        plain = m["runs"]["plain"]
+        plain = summarise(m["runs"]["plain"])
         for row, rs in m["runs"].items():
-            kl = statistics.fmean(r["kl"] for r in rs)
+            s = summarise(rs)
             extra = "| |"
-            if row != "plain":
-                d = [dppl(a) - dppl(b) for a, b in zip(rs, plain, strict=True)]
-                extra = f"| {mean_sd(d)} | {kl / statistics.fmean(r['kl'] for r in plain) - 1:+.1%} |"
-            print(f"| {m['model'] if row == 'plain' else ''} | {row} | {mean_sd([dppl(r) for r in rs])} | "
-                  f"{kl:.3e} | {100 * statistics.fmean(r['top1'] for r in rs):.2f} {extra}")
+            if row != "plain" and (d := paired(rs, m["runs"]["plain"])):
+                extra = f"| {d['mean']:+.4f} ± {d['se']:.4f} | {s['kl']['mean'] / plain['kl']['mean'] - 1:+.1%} |"
+            name = m["model"] if row == "plain" else ""
+            print(f"| {name} | {row} | {s['dppl']['mean']:+.4f} ± {s['dppl']['sd']:.4f} | {s['kl']['mean']:.3e} | "
+                  f"{100 * s['top1']['mean']:.2f} {extra}")
 
 
 def main() -> int:

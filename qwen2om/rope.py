@@ -34,8 +34,9 @@ def hf_config(cfg: dict[str, Any]) -> transformers.PretrainedConfig:
 def one_thread() -> Iterator[None]:
     """torch on one intra-op thread for the block. float64 cos/sin of a [512, 128] table split over two
     threads came out different in the last bits in about 1 process in 15 on an AVX-512 Xeon (same inputs;
-    repeats within one process agree), and now and then that survived the rounding to float32 and changed `calibrate`'s
-    checkpoint bytes; on one thread 40 runs of 40 agreed, with the value the threaded runs mostly give."""
+    repeats within one process agree), and now and then that survived the rounding to float32 and changed
+    `calibrate`'s checkpoint bytes; on one thread 40 runs of 40 agreed, with the value the threaded runs
+    mostly give."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

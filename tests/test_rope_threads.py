@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from qwen2om.rope import rope_tables
+from qwen2om.rope import one_thread, rope_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,9 +52,5 @@ def test_the_tables_equal_a_one_thread_float64_computation() -> None:
     theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     angles = torch.outer(torch.arange(300, dtype=torch.float64), inv.double()).repeat(1, 2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
-    finally:
-        torch.set_num_threads(before)
