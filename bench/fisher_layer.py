@@ -29,6 +29,14 @@ the model's held-out text.
     for k in 0 1 2 3; do .venv/bin/python bench/fisher_layer.py --layers all --linears all --windows 256 \\
         --set $k --json set-$k.json; done; .venv/bin/python bench/fisher_layer.py --summarise set-*.json
 
+With `--calibration-step ALPHAS` it measures something else: how far the held-out perplexity moves when the
+float weights take a small step that lowers the *calibration* text's loss — training, not quantising. Per
+row r of each linear the step is the calibration loss's Newton step under an output-Fisher approximation,
+δ_r = −ĝ_r H⁻¹ / c_r (ĝ_r: the gradient of the mean next-token NLL on the calibration windows for row r;
+H: the mean xxᵀ, dampened 1 % as GPTQ's; c_r: the mean squared gradient at row r's output). It ignores every
+interaction between rows, linears and layers and so overshoots by orders of magnitude; α scales it. Rows:
+the float weights W + α·δ alone, and GPTQ of W + α·δ (the plain H), each judged against the float model.
+
 It is an experiment, not a calibrate option: the gradients need a backward pass through the whole model
 (memory that grows with model size, against `calibrate`'s layer-by-layer contract); docs/benchmarks.md
 says what a product version would need.
@@ -147,6 +155,44 @@ def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: 
     return out
 
 
+def calibration_steps(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: list[list[int]],
+                      h_plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per linear, δ = −ĝ H⁻¹ / c row by row (module docstring): the calibration loss's per-row Newton step."""
+    grads: dict[str, torch.Tensor] = {}
+    squares: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+
+    def forward_hook(name: str) -> Any:
+        def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            inputs[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+
+            def grad_hook(g: torch.Tensor) -> None:
+                g = g.detach().reshape(-1, g.shape[-1]).float()
+                x = inputs.pop(name)
+                grads[name] = grads[name] + g.T @ x if name in grads else g.T @ x
+                squares[name] = squares[name] + (g * g).sum(0) if name in squares else (g * g).sum(0)
+            out.register_hook(grad_hook)
+        return hook
+
+    handles = [m.register_forward_hook(forward_hook(n)) for n, m in mods.items()]
+    tokens = sum(len(ids) - 1 for ids in samples)
+    try:
+        for ids in samples:
+            t = torch.tensor([ids])
+            emb = model.get_input_embeddings()(t).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, use_cache=False).logits[0, :-1].float()
+            torch.nn.functional.cross_entropy(logits, t[0, 1:], reduction="sum").backward()
+    finally:
+        for h in handles:
+            h.remove()
+    steps = {}
+    for name, g in grads.items():
+        h = h_plain[name] / 2  # hessians' plain H is 2 · mean xxᵀ
+        h = h + DAMP * h.diagonal().mean() * torch.eye(h.shape[0])
+        steps[name] = -torch.linalg.solve(h, g.T / tokens).T / (squares[name] / tokens)[:, None]
+    return steps
+
+
 def quantise(w: torch.Tensor, h: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     """GPTQ (qwen2om's, plain min-max scales) of w against h: [K, K], or [heads, K, K] per row block."""
     from qwen2om.quant.gptq import gptq
@@ -248,6 +294,9 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--window", type=int, default=256, help="held-out window (tokens)")
     ap.add_argument("--windows", type=int, default=64, help="held-out windows at most")
+    ap.add_argument("--calibration-step", metavar="ALPHAS", type=lambda v: [float(a) for a in v.split(",")],
+                    help="comma-separated step sizes: instead of the Fisher rows, the float weights moved by α × the "
+                    "calibration loss's per-row Newton step, alone and under GPTQ (module docstring)")
     ap.add_argument("--json", type=Path, help="write every number here")
     args = ap.parse_args()
     if not 0 <= args.set < args.sets:
@@ -291,10 +340,15 @@ def main() -> int:
     t = time.perf_counter()
     hs: dict[str, dict[str, torch.Tensor]] = {"plain": hessians(model, mods, samples, head_dim, None)}
     times["plain H"] = time.perf_counter() - t
-    for labels in ("empirical", "true"):
+    fisher = () if args.calibration_step else ("empirical", "true")
+    for labels in fisher:
         t = time.perf_counter()
         hs[labels] = hessians(model, mods, samples, head_dim, labels)
         times[f"{labels} Fisher H (forward + backward)"] = time.perf_counter() - t
+    if args.calibration_step:
+        t = time.perf_counter()
+        steps = calibration_steps(model, mods, samples, hs["plain"])
+        times["calibration step (forward + backward)"] = time.perf_counter() - t
 
     def score(name: str, weight_of: Any) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -310,7 +364,11 @@ def main() -> int:
     rows: dict[str, dict[str, float]] = {"float": judge(), "RTN": score("RTN", lambda n: rtn(original[n])),
                                          "GPTQ (plain H)": score("GPTQ", lambda n: quantise(original[n],
                                                                                              hs["plain"][n], None))}
-    for labels in ("empirical", "true"):
+    for alpha in args.calibration_step or []:
+        rows[f"float, W + {alpha:g}·δ"] = score(f"float step {alpha:g}", lambda n, a=alpha: original[n] + a * steps[n])
+        rows[f"GPTQ of W + {alpha:g}·δ"] = score(
+            f"GPTQ step {alpha:g}", lambda n, a=alpha: quantise(original[n] + a * steps[n], hs["plain"][n], None))
+    for labels in fisher:
         h = hs[labels]
         rows[f"GPTQ, {labels} Fisher, whole output"] = score(
             f"{labels} whole", lambda n, h=h: quantise(original[n], h[n], None))

@@ -20,6 +20,13 @@ and the paired rotated − plain difference.
 
     QWEN2OM_CACHE=.cache/qwen2om .venv/bin/python bench/rotate_residual.py --sets 4 --json rot.json
 
+With `--first-order` it also takes each result's held-out Δnll apart. To first order a weight change ΔW
+moves a text's mean next-token NLL by g·ΔW, g the gradient of that NLL at the float weights; the rest is
+second order (≈ KL(float ‖ quantised)). For every (basis, set) it prints g·ΔW for the held-out text, for
+the set GPTQ was calibrated on and for the other sets, and per basis the cosine between the held-out
+text's gradient and each set's (over the quantised linears): whether anything a calibration could see
+predicts the held-out first-order part.
+
 An experiment, not a calibrate option; docs/benchmarks.md has the results.
 """
 
@@ -27,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,6 +119,54 @@ def rotate(src: Path, dst: Path, dtype: torch.dtype, seed: int | None = 0) -> No
               metadata={"format": "pt"})
 
 
+def loss_gradient(model: torch.nn.Module, samples: list[list[int]], batch: int = 8) -> dict[str, torch.Tensor]:
+    """∂(mean next-token NLL over `samples`)/∂W for every linear weight (`*_proj.weight`) of `model`."""
+    model.zero_grad(set_to_none=True)
+    tokens = sum(len(ids) - 1 for ids in samples)
+    by_length: dict[int, list[list[int]]] = {}
+    for ids in samples:  # batches of one length (the held-out text's last window may be short)
+        by_length.setdefault(len(ids), []).append(ids)
+    for same in by_length.values():
+        for i in range(0, len(same), batch):
+            ids = torch.tensor(same[i:i + batch])
+            logits = model(ids).logits
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                    ids[:, 1:].reshape(-1), reduction="sum")
+            (nll / tokens).backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()
+            if p.grad is not None and k.endswith("_proj.weight")}
+
+
+def dot(g: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> float:
+    return sum(float((g[k].double() * d.double()).sum()) for k, d in delta.items())
+
+
+def cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return dot(a, b) / (dot(a, a) * dot(b, b)) ** 0.5
+
+
+class FirstOrder:
+    """The gradients of one float basis: the held-out text's and each calibration set's, computed once."""
+
+    def __init__(self, ckpt: Path, heldout: list[list[int]], sets: list[list[list[int]]]) -> None:
+        from qwen2om.verify import load_reference
+
+        model = load_reference(ckpt)
+        self.weights = {k: p.detach().clone() for k, p in model.named_parameters() if k.endswith("_proj.weight")}
+        self.heldout = loss_gradient(model, heldout)
+        self.sets = [loss_gradient(model, s) for s in sets]
+        self.cosines = [cosine(self.heldout, g) for g in self.sets]
+
+    def __call__(self, quantised: Path, k: int) -> dict[str, Any]:
+        """g·ΔW (nats per token) of `quantised` (calibrated on set k) for the held-out text and each set."""
+        from qwen2om.verify import load_reference
+
+        q = dict(load_reference(quantised).named_parameters())
+        delta = {name: q[name].detach() - w for name, w in self.weights.items()}
+        return {"heldout": dot(self.heldout, delta), "own_set": dot(self.sets[k], delta),
+                "other_sets": [dot(g, delta) for j, g in enumerate(self.sets) if j != k]}
+
+
 def dppl(r: dict[str, Any]) -> float:
     return r["ppl"] - r["ref_ppl"]
 
@@ -133,17 +190,34 @@ def bench_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
         checks[row] = {"dppl": dppl(check), "kl": check["kl"]}
         print(f"{model}: {row} float model against the original: Δppl {dppl(check):+.6f}, KL {check['kl']:.2e}",
               flush=True)
+    datasets = [write_set(work / f"set-{k}.jsonl", blocks)
+                for k, blocks in enumerate(split_sets(calibration_text(model), args.sets))]
+    firsts: dict[str, FirstOrder] = {}
+    if args.first_order:
+        from qwen2om.datasets import windows
+
+        set_windows = [windows(str(d), src, num_samples=args.num_samples, seq_len=args.seq_len).samples
+                       for d in datasets]  # the windows calibrate cuts from each set
+        for row, ckpt in ckpts.items():
+            firsts[row] = FirstOrder(ckpt, judge.samples, set_windows)
+            print(f"{model}: {row} gradient cosine, held-out text against each set: "
+                  + " ".join(f"{c:+.3f}" for c in firsts[row].cosines), flush=True)
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in ckpts}
-    for k, blocks in enumerate(split_sets(calibration_text(model), args.sets)[:args.use_sets]):
-        dataset = write_set(work / f"set-{k}.jsonl", blocks)
+    for k, dataset in enumerate(datasets[:args.use_sets]):
         for row, ckpt in ckpts.items():
             out = work / f"set-{k}-{row}"
             timing = qwen2om_calibrate("gptq", ckpt, out, dataset, args)
             r = {"set": k, **timing, **judge(out)}
+            if row in firsts:
+                r["first_order"] = f = firsts[row](out, k)
+                print(f"  set {k} {row:10s}: g·ΔW e-4 nats: held-out {1e4 * f['heldout']:+.3f}, own set "
+                      f"{1e4 * f['own_set']:+.3f}, other sets " + " ".join(f"{1e4 * o:+.3f}" for o in f["other_sets"]),
+                      flush=True)
             runs[row].append(r)
             print(f"  set {k} {row:10s}: Δppl {dppl(r):+.4f}, top-1 {r['top1']:.2%}, KL {r['kl']:.3e}, "
                   f"calibration {timing['seconds']:.1f} s", flush=True)
-    return {"model": model, "float_check": checks, "runs": runs}
+    cosines = {row: f.cosines for row, f in firsts.items()}
+    return {"model": model, "float_check": checks, "runs": runs, "gradient_cosines": cosines}
 
 
 def table(results: list[dict[str, Any]]) -> None:
@@ -163,6 +237,37 @@ def table(results: list[dict[str, Any]]) -> None:
                   f"{100 * s['top1']['mean']:.2f} {extra}")
 
 
+def first_order_table(results: list[dict[str, Any]]) -> None:
+    """Per model and basis, means over the sets (nats per token, e-4): the measured held-out Δnll, its first-order
+    part g·ΔW and the rest, and g·ΔW on the calibration texts; then, over every (basis, set), the correlation of
+    the held-out g·ΔW with the own set's and with the other sets' mean."""
+    print("\n| model | GPTQ on | held-out Δnll | g·ΔW held-out | rest (≈ KL) | KL | g·ΔW own set | g·ΔW other sets |"
+          " gradient cosine held-out · set |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in results:
+        points: list[tuple[float, float, float]] = []
+        for row, rs in m["runs"].items():
+            rs = [r for r in rs if "first_order" in r]
+            if not rs:
+                continue
+            dnll = [math.log(r["ppl"] / r["ref_ppl"]) for r in rs]
+            held = [r["first_order"]["heldout"] for r in rs]
+            own = [r["first_order"]["own_set"] for r in rs]
+            other = [statistics.fmean(r["first_order"]["other_sets"]) for r in rs]
+            points += zip(held, own, other, strict=True)
+            cos = m["gradient_cosines"][row]
+            d, h = statistics.fmean(dnll), statistics.fmean(held)
+            print(f"| {m['model'] if row == 'plain' else ''} | {row} | {1e4 * d:+.3f} | {1e4 * h:+.3f} | "
+                  f"{1e4 * (d - h):+.3f} | {1e4 * statistics.fmean(r['kl'] for r in rs):.3f} | "
+                  f"{1e4 * statistics.fmean(own):+.3f} | {1e4 * statistics.fmean(other):+.3f} | "
+                  f"{min(cos):.2f} – {max(cos):.2f} |")
+        if len(points) > 2:
+            held, own, other = zip(*points, strict=True)
+            r_own, r_other = statistics.correlation(held, own), statistics.correlation(held, other)
+            print(f"| | r over {len(points)} (basis, set): held-out g·ΔW with the own set's {r_own:+.2f}, "
+                  f"with the other sets' {r_other:+.2f} | | | | | | |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -177,12 +282,16 @@ def main() -> int:
     ap.add_argument("--seeds", type=lambda v: [None if x == "fold" else int(x) for x in v.split(",")],
                     default=[0], help="comma-separated rotation seeds (random signs), one rotated checkpoint each; "
                                       "'fold': the norms folded and no rotation")
+    ap.add_argument("--first-order", action="store_true",
+                    help="also take each held-out Δnll apart into g·ΔW (first order) and the rest (module docstring)")
     ap.add_argument("--use-sets", type=int, default=None, help="calibrate on the first N of the --sets sets only")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "rotate-residual")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = [bench_model(m, args) for m in args.models.split(",")]
     table(results)
+    if args.first_order:
+        first_order_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
