@@ -49,6 +49,7 @@ from quant_models import (
     heldout_text,
     paired,
     qwen2om_calibrate,
+    read_json,
     split_sets,
     summarise,
     write_set,
@@ -237,35 +238,40 @@ def table(results: list[dict[str, Any]]) -> None:
                   f"{100 * s['top1']['mean']:.2f} {extra}")
 
 
+def correlation(points: list[tuple[float, float]]) -> str:
+    return f"{statistics.correlation(*zip(*points, strict=True)):+.2f}" if len(points) > 2 else "–"
+
+
 def first_order_table(results: list[dict[str, Any]]) -> None:
     """Per model and basis, means over the sets (nats per token, e-4): the measured held-out Δnll, its first-order
-    part g·ΔW and the rest, and g·ΔW on the calibration texts; then, over every (basis, set), the correlation of
-    the held-out g·ΔW with the own set's and with the other sets' mean."""
+    part g·ΔW and the rest, and g·ΔW on the calibration texts; the correlation over the sets of the held-out g·ΔW
+    with the own set's and with the other sets' mean; then the same correlations over every (basis, set) of the
+    model, which mostly measure how far apart the bases are."""
     print("\n| model | GPTQ on | held-out Δnll | g·ΔW held-out | rest (≈ KL) | KL | g·ΔW own set | g·ΔW other sets |"
-          " gradient cosine held-out · set |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          " r with own set · other sets | gradient cosine held-out · set |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in results:
-        points: list[tuple[float, float, float]] = []
+        pooled_own: list[tuple[float, float]] = []
+        pooled_other: list[tuple[float, float]] = []
         for row, rs in m["runs"].items():
             rs = [r for r in rs if "first_order" in r]
             if not rs:
                 continue
             dnll = [math.log(r["ppl"] / r["ref_ppl"]) for r in rs]
             held = [r["first_order"]["heldout"] for r in rs]
-            own = [r["first_order"]["own_set"] for r in rs]
-            other = [statistics.fmean(r["first_order"]["other_sets"]) for r in rs]
-            points += zip(held, own, other, strict=True)
+            own = list(zip(held, (r["first_order"]["own_set"] for r in rs), strict=True))
+            other = list(zip(held, (statistics.fmean(r["first_order"]["other_sets"]) for r in rs), strict=True))
+            pooled_own += own
+            pooled_other += other
             cos = m["gradient_cosines"][row]
             d, h = statistics.fmean(dnll), statistics.fmean(held)
+            g_own, g_other = statistics.fmean(o for _, o in own), statistics.fmean(o for _, o in other)
             print(f"| {m['model'] if row == 'plain' else ''} | {row} | {1e4 * d:+.3f} | {1e4 * h:+.3f} | "
                   f"{1e4 * (d - h):+.3f} | {1e4 * statistics.fmean(r['kl'] for r in rs):.3f} | "
-                  f"{1e4 * statistics.fmean(own):+.3f} | {1e4 * statistics.fmean(other):+.3f} | "
-                  f"{min(cos):.2f} – {max(cos):.2f} |")
-        if len(points) > 2:
-            held, own, other = zip(*points, strict=True)
-            r_own, r_other = statistics.correlation(held, own), statistics.correlation(held, other)
-            print(f"| | r over {len(points)} (basis, set): held-out g·ΔW with the own set's {r_own:+.2f}, "
-                  f"with the other sets' {r_other:+.2f} | | | | | | |")
+                  f"{1e4 * g_own:+.3f} | {1e4 * g_other:+.3f} | "
+                  f"{correlation(own)} · {correlation(other)} | {min(cos):.2f} – {max(cos):.2f} |")
+        print(f"| | every basis and set ({len(pooled_own)}) | | | | | | | {correlation(pooled_own)} · "
+              f"{correlation(pooled_other)} | |")
 
 
 def main() -> int:
@@ -287,12 +293,18 @@ def main() -> int:
     ap.add_argument("--use-sets", type=int, default=None, help="calibrate on the first N of the --sets sets only")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "rotate-residual")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, metavar="RUN.json", help="print a recorded --json run's tables; run nothing")
     args = ap.parse_args()
-    results = [bench_model(m, args) for m in args.models.split(",")]
+    if args.report:
+        results = read_json(args.report, "a --json file of bench/rotate_residual.py")
+        if not isinstance(results, list) or not all(isinstance(m, dict) and "runs" in m for m in results):
+            raise SystemExit(f"{args.report}: not a --json file of bench/rotate_residual.py (no runs)")
+    else:
+        results = [bench_model(m, args) for m in args.models.split(",")]
     table(results)
-    if args.first_order:
+    if args.first_order or any("gradient_cosines" in m and m["gradient_cosines"] for m in results):
         first_order_table(results)
-    if args.json:
+    if args.json and not args.report:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
