@@ -91,6 +91,19 @@ def head_wise(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in HEAD_WISE
 
 
+def backward(model: torch.nn.Module, t: torch.Tensor, labels: str, gen: torch.Generator | None = None) -> None:
+    """One window's summed next-token NLL, back-propagated to the activations: against the text's own next
+    tokens (labels 'empirical') or ones drawn from the model's distribution ('true', with `gen`)."""
+    # The weights need no gradient; the embeddings' output does, so that one flows to every linear.
+    emb = model.get_input_embeddings()(t).detach().requires_grad_(True)
+    logits = model(inputs_embeds=emb, use_cache=False).logits[0, :-1].float()
+    if labels == "empirical":
+        target = t[0, 1:]
+    else:  # the true Fisher: a next token drawn from the model's own distribution
+        target = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
+    torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+
+
 def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: list[list[int]],
              head_dim: int, labels: str | None, seed: int = 0) -> dict[str, torch.Tensor]:
     """Per linear (key 'LAYER.NAME'): the plain H (labels None), or the Fisher-weighted one ('empirical' or
@@ -139,14 +152,7 @@ def hessians(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], samples: 
                 with torch.no_grad():
                     model(input_ids=t, use_cache=False)
                 continue
-            # The weights need no gradient; the embeddings' output does, so that one flows to every linear.
-            emb = model.get_input_embeddings()(t).detach().requires_grad_(True)
-            logits = model(inputs_embeds=emb, use_cache=False).logits[0, :-1].float()
-            if labels == "empirical":
-                target = t[0, 1:]
-            else:  # the true Fisher: a next token drawn from the model's own distribution
-                target = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
-            torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+            backward(model, t, labels, gen)
     finally:
         for h in handles:
             h.remove()
@@ -178,10 +184,7 @@ def calibration_steps(model: torch.nn.Module, mods: dict[str, torch.nn.Linear], 
     tokens = sum(len(ids) - 1 for ids in samples)
     try:
         for ids in samples:
-            t = torch.tensor([ids])
-            emb = model.get_input_embeddings()(t).detach().requires_grad_(True)
-            logits = model(inputs_embeds=emb, use_cache=False).logits[0, :-1].float()
-            torch.nn.functional.cross_entropy(logits, t[0, 1:], reduction="sum").backward()
+            backward(model, torch.tensor([ids]), "empirical")
     finally:
         for h in handles:
             h.remove()

@@ -302,7 +302,7 @@ def main() -> int:
     else:
         results = [bench_model(m, args) for m in args.models.split(",")]
     table(results)
-    if args.first_order or any("gradient_cosines" in m and m["gradient_cosines"] for m in results):
+    if any(m.get("gradient_cosines") for m in results):  # a run with --first-order, or a report of one
         first_order_table(results)
     if args.json and not args.report:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
