@@ -521,6 +521,11 @@ def calibrate(
                                                      "0.85) with the least output error on the calibration data "
                                                      "(GPTQ ~3x slower); default off: min-max ranges, as "
                                                      "llm-compressor")] = None,
+    hessian: Annotated[str | None, typer.Option(help="gptq: plain (default; every calibration token alike, as "
+                                                "llm-compressor), fisher (each token's xxᵀ weighted by the "
+                                                "calibration loss's squared gradient at the linear's output: one "
+                                                "more forward and backward first) or fisher-heads (q/k/v per "
+                                                "attention head)")] = None,
     ignore: Annotated[list[str] | None, typer.Option(help="regex of weights to keep float (repeatable; adds to "
                                                      "the recipe's)")] = None,
     fmt: Annotated[str | None, typer.Option("--format", help="compressed-tensors (default; transformers, vLLM, "
@@ -528,8 +533,8 @@ def calibrate(
                                             "convert)")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML file with any of these settings (method, group_size, "
                                                 "symmetric, dataset, num_samples, seq_len, batch_size, compute_dtype, "
-                                                "ignore, quantize_lm_head, format, damp, actorder, clip_search); "
-                                                "flags override it")] = None,
+                                                "ignore, quantize_lm_head, format, damp, actorder, clip_search, "
+                                                "hessian); flags override it")] = None,
     device: Annotated[str | None, typer.Option(help="where the layers' forward passes and the GPTQ/AWQ arithmetic "
                                                "run: cpu (default), cuda[:i] or npu[:i] (torch-npu and CANN)")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch threads of this process and of every worker "
@@ -560,7 +565,7 @@ def calibrate(
     flags = {"scheme": scheme, "method": method, "group_size": group_size, "symmetric": sym, "dataset": dataset,
              "num_samples": num_samples, "seq_len": seq_len, "batch_size": batch_size,
              "compute_dtype": compute_dtype, "quantize_lm_head": quantize_lm_head, "fmt": fmt, "device": device,
-             "threads": threads, "clip_search": clip_search}
+             "threads": threads, "clip_search": clip_search, "hessian": hessian}
     if (address is not None or workers != 2) and distributed is None:
         raise Qwen2omError("--address and --workers are for --distributed ray")
     cfg = calibration_config(recipe, {k: v for k, v in flags.items() if v is not None}, tuple(ignore or ()))

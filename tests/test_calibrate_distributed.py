@@ -106,6 +106,28 @@ def test_a_worker_killed_mid_layer_changes_nothing(cluster, single, tmp_path, st
     assert report["layers"][at]["run"]["workers_lost"][0]["worker"] == 1
 
 
+def test_fisher_hessians_on_two_workers_or_a_lost_one_write_the_single_process_bytes(cluster, tmp_path) -> None:
+    """--hessian fisher-heads: the loss-gradient pass splits by chunk too, and the token weights the driver
+    keeps reach whichever worker holds a chunk after a loss."""
+    calibrate(MODELS[0], tmp_path / "one", config("gptq", hessian="fisher-heads"))
+    want = digests(tmp_path / "one")
+    calibrate(MODELS[0], tmp_path / "two", config("gptq", hessian="fisher-heads"), distributed="ray", workers=2)
+    assert digests(tmp_path / "two") == want
+    pools: list[Any] = []
+    seen = {"layer": 0, "killed": False}
+
+    def progress(label: str, done: int, total: int, unit: str = "") -> None:
+        if label == "calibrating layers":
+            seen["layer"] = done
+        elif label.startswith("this layer") and seen["layer"] == 1 and not seen["killed"]:
+            pools[0].kill(1)
+            seen["killed"] = True
+    report = calibrate(MODELS[0], tmp_path / "lost", config("gptq", hessian="fisher-heads"), distributed="ray",
+                       workers=3, pool_hook=pools.append, progress=progress).report
+    assert seen["killed"] and [x["worker"] for x in report["execution"]["workers_lost"]] == [1]
+    assert digests(tmp_path / "lost") == want
+
+
 def test_a_worker_process_that_dies_is_recovered_from(cluster, single, tmp_path) -> None:
     """SIGKILL of the actor's process (a crash, an OOM kill), not ray.kill."""
     want = digests(single(MODELS[1], "gptq"))

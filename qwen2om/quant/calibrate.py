@@ -34,13 +34,15 @@ from qwen2om.checkpoint import TOKENIZER_FILES, Checkpoint
 from qwen2om.confine import confined
 from qwen2om.datasets import check_source, windows
 from qwen2om.families import family_of
-from qwen2om.layerwise import LayerRunner, LayerTensors
+from qwen2om.layerwise import ActivationStore, LayerRunner, LayerTensors
 from qwen2om.output import check_output, mark_written, staged_output
 from qwen2om.quant.awq import search_scale
 from qwen2om.quant.config import CalibrationConfig
 from qwen2om.quant.config import calibration_config as calibration_config  # the CLI's and tests' import
 from qwen2om.quant.device import torch_device
 from qwen2om.quant.experts import ExpertStats, expand_names, expanded_shape, expert_jobs, unfused_experts
+from qwen2om.quant.fisher import HEAD_KEY, PLAIN
+from qwen2om.quant.fisher import columns as fisher_columns
 from qwen2om.quant.formats import FORMATS
 from qwen2om.quant.gptq import CLIP_RATIOS, output_error
 from qwen2om.quant.int4 import Int4Spec, dequantize, quantize, rtn
@@ -103,7 +105,8 @@ def quantization_config(cfg: CalibrationConfig, ignore: list[str]) -> dict[str, 
         }},
         "ignore": ignore, "kv_cache_scheme": None, "version": version,
         "qwen2om": {"method": cfg.method, "dataset": cfg.dataset if method.needs_data else None,
-                    **({"clip_ratios": list(clip_ratios(cfg))} if "clip_search" in method.reads else {})},
+                    **({"clip_ratios": list(clip_ratios(cfg))} if "clip_search" in method.reads else {}),
+                    **({"hessian": cfg.hessian} if "hessian" in method.reads else {})},
     }
 
 
@@ -187,6 +190,8 @@ class Calibrator:
         self.resumed = 0  # layers a resumed run took from the journal
         self.chunk_count = 0
         self.slices = unfused_experts(ckpt)  # per-expert name → its slice of a fused expert stack
+        self.weights: ActivationStore | None = None  # --hessian fisher: token weights per (layer, chunk)
+        self.weight_layout: dict[int, list[tuple[str, int]]] = {}  # per layer: (linear, columns) in order
         self.names = expand_names(ckpt.names(), self.slices)  # what the output checkpoint holds
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -286,6 +291,8 @@ class Calibrator:
         self.chunk_count = len(chunks)
         pool.start(len(chunks), lambda cs: self.embedding(samples, chunks, cs), self.history)
         layers = self.ckpt.dims.layers
+        if self.cfg.hessian != PLAIN:
+            self.fisher_pass(pool, per_layer, targets)
         done = self.resume(pool, per_layer)
         steps = [0]
 
@@ -306,6 +313,8 @@ class Calibrator:
                 self.journal.save(result)
             self.replay(result, per_layer[i])
             self.progress("calibrating layers", i + 1, layers)
+        if self.weights is not None:
+            self.weights.close()
         if LM_HEAD in targets:
             self.gptq_lm_head(pool)
 
@@ -368,7 +377,8 @@ class Calibrator:
         for n in names:
             self.finite(n, tensors[n] if n in tensors else self.read(n))
         # Without an output pass the collecting pass runs to the layer's end, so its output is checked.
-        answers = pool.each("collect", lambda k: (index, box, names, bool(experts), not outputs))
+        wbox = self.token_weights(pool, index)
+        answers = pool.each("collect", lambda k: (index, box, names, bool(experts), not outputs, wbox))
         sums = join({node: s for nodes, _ in answers.values() for node, s in nodes.items()}, pool.count) or {}
         aliases: dict[str, str] = next(iter(answers.values()))[1]
         # The driver's copy of the layer (AWQ's search, the weights to solve): the worker's own in one CPU
@@ -383,8 +393,14 @@ class Calibrator:
         hess, x_abs = {}, {}
         for n in names:
             key = aliases[n]
-            rows = max(1, int(sums[f"n:{key}"]))
-            hess[n], x_abs[n] = sums[f"h:{key}"] * (2 / rows), sums[f"a:{key}"] / rows
+            if wbox is None:
+                rows = max(1, int(sums[f"n:{key}"]))
+                hess[n], x_abs[n] = sums[f"h:{key}"] * (2 / rows), sums[f"a:{key}"] / rows
+            else:  # Σ w·xxᵀ over Σ w (per head: [heads, K, K] over [heads]); a uniform factor GPTQ ignores
+                total = sums[f"n:{key}"].clamp_min(torch.finfo(torch.float32).tiny).float()
+                h = sums[f"h:{key}"] * 2
+                hess[n] = (h / total[:, None, None] if h.dim() == 3 else h / total)
+                x_abs[n] = sums[f"a:{key}"]
         result = LayerResult(index)
         jobs: list[Job] = []
         rtn_notes: dict[str, str] = {}
@@ -423,6 +439,49 @@ class Calibrator:
             pool.each("advance", lambda k: (index, box, rbox))
             pool.level = index + 1
         return result
+
+    def fisher_pass(self, pool: Pool, per_layer: dict[int, list[str]], targets: set[str]) -> None:
+        """--hessian fisher: the float model forward over the samples, the loss's gradient at its end, and
+        back layer by layer (qwen2om/quant/fisher.py), keeping each quantised linear's token weights
+        (in a store: memory up to the activation budget, then disk). The workers end at layer 0."""
+        layers = self.ckpt.dims.layers
+        total = 2 * layers + 1
+        for i in range(layers):
+            box = pool.share(self.layer_tensors(i))
+            pool.each("fisher_forward", lambda k, box=box, i=i: (i, box), recover=False)
+            self.progress("loss gradients (--hessian fisher): forward, head, backward", i + 1, total)
+        norm = self.family.names.final_norm
+        head = {n: self.ckpt.get(n) for n in self.ckpt.names() if n.startswith(norm)}
+        head[HEAD_KEY] = self.ckpt.get(self.source(LM_HEAD))
+        hbox = pool.share(head)
+        pool.each("fisher_head", lambda k: (hbox,), recover=False)
+        del head, hbox[0]  # the head can be vocabulary × hidden: not held through the calibration
+        self.progress("loss gradients (--hessian fisher): forward, head, backward", layers + 1, total)
+        self.weights = ActivationStore(self.cfg.activation_budget)
+        for i in reversed(range(layers)):
+            names = [n for n in per_layer[i] if n in targets and not self.family.names.parse_expert(n)]
+            cols = {n: fisher_columns(n, self.shape(n)[0], self.ckpt.dims, self.cfg.hessian) for n in names}
+            box = pool.share(self.layer_tensors(i))
+            answers = pool.each("fisher_backward", lambda k, box=box, i=i, cols=cols: (i, box, cols),
+                                recover=False)
+            self.weight_layout[i] = list(cols.items())
+            for per_chunk in answers.values():
+                for c, w in per_chunk.items():
+                    arr = torch.cat([w[n] for n in cols], 1) if cols else torch.zeros(0, 0)
+                    self.weights.put(i * self.chunk_count + c, arr.numpy())
+            self.progress("loss gradients (--hessian fisher): forward, head, backward", total - i, total)
+
+    def token_weights(self, pool: Pool, index: int) -> list[Any] | None:
+        """--hessian fisher: layer `index`'s token weights of every chunk, for `collect`, shared once."""
+        if self.cfg.hessian == PLAIN or index not in self.weight_layout:
+            return None
+        layout = self.weight_layout[index]
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for c in range(self.chunk_count):
+            arr = torch.from_numpy(np.array(self.weights.get(index * self.chunk_count + c)))
+            out[c] = dict(zip([n for n, _ in layout], arr.split([k for _, k in layout], 1), strict=True))
+            self.weights.drop(index * self.chunk_count + c)
+        return pool.share(out)
 
     def awq_scale(self, layer: torch.nn.Module, index: int, linears: dict[str, Linear], names: list[str],
                   hess: dict[str, torch.Tensor], x_abs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -553,7 +612,7 @@ def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path,
     samples = data.samples if data else []
     settings = Settings(cfg.int4, cfg.method_entry.searches_scales, cfg.damp, cfg.actorder, clip_ratios(cfg),
                         str(compute_dtype(cfg, ckpt)).removeprefix("torch."), str(device), threads,
-                        cfg.activation_budget)
+                        cfg.activation_budget, hessian=cfg.hessian if cfg.method_entry.needs_data else PLAIN)
     # Everything that decides the checkpoint's bytes (not the workers: any number gives the same).
     key = journal_key(source, ckpt.config, {**dataclasses.asdict(cfg), "device": device.type, "threads": threads},
                       samples)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen2om.quant.device import check_spelling
+from qwen2om.quant.fisher import HESSIANS, PLAIN
 from qwen2om.quant.int4 import Int4Spec
 from qwen2om.quant.schemes import METHODS, SCHEMES, CalibrationError, Method, Scheme
 from qwen2om.recipe import parse_yaml, read_recipe_text, typed
@@ -44,6 +45,11 @@ class CalibrationConfig:
     # On the trained builtins it lowers the layers' output errors by a quarter but not the end-to-end KL or
     # perplexity beyond their noise, and GPTQ's own time grows ~3x (docs/benchmarks.md, issue 28).
     clip_search: bool = False
+    # GPTQ: "plain" (every token's xxᵀ alike, as llm-compressor), or weighted by the calibration loss's
+    # squared gradient at each linear's output: "fisher", "fisher-heads" (q/k/v per attention head). One
+    # more forward and backward of the model first (qwen2om/quant/fisher.py); KL −5…−12 % on the trained
+    # builtins (docs/benchmarks.md, issue 28).
+    hessian: str = "plain"
     activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
     # The layers' forward passes: float32, or bfloat16 / float16 (matmuls ~1.8x faster on CPUs with bf16
     # instructions, a whole calibration ~20 % at Qwen3-0.6B's shapes; "auto": the checkpoint's own
@@ -97,6 +103,11 @@ class CalibrationConfig:
         for key, value in {**scheme.defaults, "fmt": scheme.formats[0]}.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        if self.hessian not in HESSIANS:
+            raise CalibrationError(f"--hessian {self.hessian!r} is not one of {', '.join(HESSIANS)}")
+        if self.hessian != PLAIN and "hessian" not in self.method_entry.reads:
+            raise CalibrationError(f"--hessian {self.hessian} weights GPTQ's Hessians; --method "
+                                   f"{self.method_entry.name} does not run GPTQ")
         if self.clip_search and "clip_search" not in self.method_entry.reads:
             raise CalibrationError(f"--clip-search searches GPTQ's clipping; --method {self.method_entry.name} "
                                    "does not run GPTQ")

@@ -51,7 +51,7 @@ METHODS: Registry[Method] = Registry("method")
 
 RTN = METHODS.add(Method("rtn", "round to nearest (data-free)", ("w4a16", "fp8-block")))
 GPTQ = METHODS.add(Method("gptq", "Hessian-based, static act-order", ("w4a16",),
-                          reads=(*DATA, "damp", "actorder", "clip_search"), orders_columns=True))
+                          reads=(*DATA, "damp", "actorder", "clip_search", "hessian"), orders_columns=True))
 AWQ = METHODS.add(Method("awq", "activation-aware scaling + clipping search", ("w4a16",), reads=DATA,
                          searches_scales=True))
 

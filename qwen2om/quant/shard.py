@@ -33,6 +33,7 @@ from qwen2om.families import Layer, family_of
 from qwen2om.layerwise import ActivationStore, LayerRunner, LayerTensors
 from qwen2om.quant.awq import clip_quantize
 from qwen2om.quant.experts import ExpertCollector, set_expert_weight
+from qwen2om.quant.fisher import HEAD_KEY, PLAIN, layer_backward, loss_gradient, weighted_gram
 from qwen2om.quant.gptq import gptq, gram, output_error, output_errors
 from qwen2om.quant.int4 import Int4Spec, dequantize, rtn
 from qwen2om.quant.schemes import CalibrationError
@@ -70,6 +71,7 @@ class Settings:
     threads: int  # torch intra-op threads: float sums depend on how a product is split
     budget: int  # bytes of activations in memory before spilling
     spill_dir: str | None = None
+    hessian: str = PLAIN  # or loss-weighted: fisher, fisher-heads (qwen2om/quant/fisher.py)
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class Solved:
 
 def solve(job: Job, s: Settings, device: torch.device) -> Solved:
     """GPTQ (or AWQ's clipped rounding) of one weight, with the RTN error it is compared with."""
+    if job.h.dim() == 3:
+        return solve_heads(job, s, device)
     w, h = job.w.to(device), job.h.to(device)
     note, method = "", "awq" if s.searches_scales else "gptq"
     if s.searches_scales:
@@ -115,6 +119,27 @@ def solve(job: Job, s: Settings, device: torch.device) -> Solved:
     else:
         rtn_err, err = job.rtn_error, output_error(w, w_hat, h)
     return Solved(job.name, q.cpu(), scale.cpu(), zp.cpu(), method, note, rtn_err, err)
+
+
+def solve_heads(job: Job, s: Settings, device: torch.device) -> Solved:
+    """GPTQ of a weight whose row blocks (attention heads) each have their own Hessian h [heads, K, K]:
+    each block solved alone; the errors are the blocks' summed, relative to the whole weight's."""
+    heads = job.h.shape[0]
+    rows = job.w.shape[0] // heads
+    parts = [solve(dataclasses.replace(job, name=f"{job.name} (head {i})", w=job.w[i * rows:(i + 1) * rows],
+                                       h=job.h[i]), s, device) for i in range(heads)]
+    dens = [float(((w @ h.float()) * w).sum(dtype=torch.float64))
+            for w, h in ((job.w[i * rows:(i + 1) * rows].float(), job.h[i]) for i in range(heads))]
+    total = sum(dens)
+
+    def joined(errors: list[float | None]) -> float | None:
+        if any(e is None for e in errors):
+            return None
+        return sum(e * d for e, d in zip(errors, dens, strict=True)) / total if total > 0 else 0.0  # type: ignore[operator]
+    notes = [p.note for p in parts if p.note]
+    return Solved(job.name, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                  torch.cat([p.zp for p in parts]), "rtn" if any(p.method == "rtn" for p in parts) else parts[0].method,
+                  "; ".join(notes), joined([p.rtn_error for p in parts]), joined([p.error for p in parts]))
 
 
 @dataclasses.dataclass
@@ -181,7 +206,10 @@ class ShardWorker:
         self.family = family_of(header.arch)
         self.store = ActivationStore(settings.budget, self.runner.spill_dir)
         self.samples: dict[int, list[int]] = {}
+        self.tokens: dict[int, np.ndarray] = {}  # token ids [B, T] per chunk: the loss of --hessian fisher
         self.level: dict[int, int] = {}
+        self.saved = ActivationStore(settings.budget, self.runner.spill_dir)  # --hessian fisher: layer inputs
+        self.grads = ActivationStore(settings.budget, self.runner.spill_dir)  # and the loss gradient at one
         self.count = 0  # chunks in the whole calibration
         self.layer: Layer | None = None
         self.at: tuple[int, int] = (-1, -1)  # (layer index, result applied: 1) of self.layer
@@ -204,7 +232,8 @@ class ShardWorker:
         return sorted(self.samples)
 
     def close(self) -> None:
-        self.store.close()
+        for store in (self.store, self.saved, self.grads):
+            store.close()
         self.layer = None
 
     # -- work -----------------------------------------------------------------------------------
@@ -218,6 +247,8 @@ class ShardWorker:
             where = np.searchsorted(unique, tokens)
             self.store.put(c, rows[torch.from_numpy(where)].numpy())
             self.samples[c], self.level[c] = list(ids), 0
+            if self.s.hessian != PLAIN:
+                self.tokens[c] = tokens
 
     def _layer(self, index: int, box: list[Any], float_weights: bool = False) -> Layer:
         """Layer `index` (its float weights with `float_weights`), built from the tensors in `box` unless held."""
@@ -236,9 +267,12 @@ class ShardWorker:
         return torch.from_numpy(np.array(self.store.get(c)))
 
     def collect(self, index: int, box: list[Any], names: list[str], experts: bool, whole: bool,
-                ) -> tuple[dict[Node, Stats], dict[str, str]]:
+                weights_box: list[Any] | None = None) -> tuple[dict[Node, Stats], dict[str, str]]:
         """Layer `index`'s statistics over this worker's chunks, as tree nodes; and which linears share
-        an input (name → the name its sums are kept under)."""
+        an input (name → the name its sums are kept under). With `weights_box` (--hessian fisher: per
+        chunk, each linear's token weights, `fisher_backward`'s), every linear's Σ w·xxᵀ and Σ w instead,
+        none shared."""
+        weighted = fetch(weights_box) if weights_box is not None else None
         layer = self._layer(index, box, float_weights=True)
         prefix = f"{self.family.names.layer(index)}."
         linears = {n: m for n, m in layer_linears(layer, prefix).items() if n in names}
@@ -260,14 +294,19 @@ class ShardWorker:
 
             def hook(name: str) -> Callable[..., None]:
                 def accumulate(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-                    if last[0] is not args[0]:
+                    if last[0] is not args[0] or weighted is not None:
                         short = name.removeprefix(prefix).removesuffix(".weight")
                         _finite_or_raise(args[0], index, self.samples[c], f"the input of {short}")
                         x = args[0].reshape(-1, args[0].shape[-1]).float()
                         last[0], last[1] = args[0], name
-                        sums[f"h:{name}"] = gram(x)
+                        if weighted is None:
+                            sums[f"h:{name}"] = gram(x)
+                            sums[f"n:{name}"] = torch.tensor(x.shape[0], dtype=torch.int64)
+                        else:
+                            w = weighted[c][name].to(x.device)
+                            sums[f"h:{name}"] = weighted_gram(x, w)
+                            sums[f"n:{name}"] = w.sum(0, dtype=torch.float64)
                         sums[f"a:{name}"] = x.abs().sum(0)
-                        sums[f"n:{name}"] = torch.tensor(x.shape[0], dtype=torch.int64)
                     aliases[name] = last[1]
                     fired.add(name)
                     if stop_early and len(fired) == len(linears):
@@ -337,3 +376,62 @@ class ShardWorker:
         for a, b in ranges(self.chunks()):
             nodes |= range_sums(a, b, self.count, chunk)
         return {k: {n: t.cpu() for n, t in v.items()} for k, v in nodes.items()}
+
+    # -- --hessian fisher: the loss gradients' pass (qwen2om/quant/fisher.py) ----------------------
+    def fisher_forward(self, index: int, box: list[Any]) -> int:
+        """The chunks at layer `index` through its float weights, each input kept for the backward pass."""
+        layer = self._layer(index, box, float_weights=True)
+        moved = 0
+        with torch.no_grad():
+            for c in self.chunks():
+                if self.level[c] != index:
+                    continue
+                x = self._input(c)
+                self.saved.put(index * self.count + c, x.numpy())
+                y = self.runner.forward(layer, x)
+                _finite_or_raise(y, index, self.samples[c], "its output")
+                self.store.put(c, y.float().cpu().numpy())
+                self.level[c] = index + 1
+                moved += 1
+        return moved
+
+    def fisher_head(self, box: list[Any]) -> int:
+        """The summed next-token loss's gradient at every chunk's last hidden state (the final norm and the
+        head, `HEAD_KEY` in `box`'s tensors)."""
+        tensors = fetch(box)
+        head = tensors.pop(HEAD_KEY).to(self.device, self.runner.dtype)
+        self.runner.ckpt.tensors = tensors
+        norm = self.family.norm(self.runner.weights(), self.family.names.final_norm, self.runner.d.rms_eps)
+        self.runner.ckpt.tensors = {}
+        norm = norm.to(self.device)
+        for p in norm.parameters():
+            p.requires_grad_(False)
+        for c in self.chunks():
+            self.grads.put(c, loss_gradient(self._input(c), self.tokens[c], norm, head, self.runner.dtype).numpy())
+        return len(self.chunks())
+
+    def fisher_backward(self, index: int, box: list[Any], cols: dict[str, int],
+                        ) -> dict[int, dict[str, torch.Tensor]]:
+        """Layer `index` backward over every chunk from its saved input: the gradient handed down to the
+        layer before, and each linear `cols` names its token weights [B·T, cols]. At layer 0 the chunks'
+        inputs are put back, for the calibration to start from."""
+        layer = self._layer(index, box, float_weights=True)
+        prefix = f"{self.family.names.layer(index)}."
+        linears = {n: m for n, m in layer_linears(layer, prefix).items() if n in cols}
+        if missing := [n for n in cols if n not in linears]:
+            raise CalibrationError(f"cannot place {missing[:3]} in layer {index}'s modules")
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for c in self.chunks():
+            key = index * self.count + c
+            x = torch.from_numpy(np.array(self.saved.get(key)))
+            grad = torch.from_numpy(np.array(self.grads.get(c)))
+            g, out[c] = layer_backward(lambda t: self.runner.forward(layer, t), layer, x, grad, linears, cols)
+            _finite_or_raise(g, index, self.samples[c], "the loss gradient at its input")
+            self.grads.put(c, g.numpy())
+            if index == 0:
+                self.store.put(c, x.numpy())
+                self.level[c] = 0
+            self.saved.drop(key)
+        if index == 0:
+            self.grads.close()
+        return out

@@ -1,0 +1,106 @@
+"""Loss-weighted GPTQ Hessians: `calibrate --hessian fisher | fisher-heads`.
+
+Plain GPTQ minimises each linear's output error with every calibration token counting alike,
+H = Σ_t 2·x_t x_tᵀ. The model's loss does not weigh tokens alike. Weighting each token by the
+squared gradient of the calibration text's next-token loss at the linear's output,
+
+    H = Σ_t ‖g_t‖² · 2·x_t x_tᵀ,          g_t = ∂ loss / ∂ (the linear's output at token t),
+
+makes GPTQ minimise an estimate of the loss increase instead (an empirical Fisher approximation,
+diagonal over tokens, as GuidedQuant's). With `fisher-heads`, q/k/v_proj get one such Hessian per
+attention head (‖g‖² over the head's outputs only) and each head's rows are quantised against their
+own: GPTQ's rows are independent given H, so a block of rows may have its own. On the trained
+builtins this lowers the end-to-end KL against the float model by 5–12 % (docs/benchmarks.md).
+
+The weights come from one extra pass before the calibration, over the same samples, on the float
+model, kept to calibrate's one-layer-at-a-time contract (qwen2om/quant/shard.py runs it):
+forward through every layer, saving each layer's input (in an ActivationStore: memory up to the
+budget, the rest on disk); at the end the final norm and the LM head give the loss's gradient
+at the last hidden state; then backward, layer by layer from the last, each rebuilt from its float
+weights and its saved input, handing the gradient at its input to the layer before and keeping
+only the per-token weights (tokens × columns floats, a column per linear or per head). The
+calibration proper then runs as usual, each layer's Hessians weighted by those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from qwen2om.arch import ModelDims
+from qwen2om.quant.gptq import gram
+
+PLAIN = "plain"
+HESSIANS = (PLAIN, "fisher", "fisher-heads")
+HEAD_KEY = "__lm_head__"  # the LM head's weight in the tensors sent for the loss (the embedding's when tied)
+
+
+def columns(name: str, width: int, dims: ModelDims, hessian: str) -> int:
+    """How many token weights a linear gets: one per head for q/k/v_proj under `fisher-heads` (when its
+    output is exactly the heads: the hybrids' gated q_proj is twice as wide and keeps one), else one."""
+    if hessian != "fisher-heads":
+        return 1
+    module = name.rsplit(".", 2)[-2]
+    heads = {"q_proj": dims.heads, "k_proj": dims.kv_heads, "v_proj": dims.kv_heads}.get(module)
+    return heads if heads and width == heads * dims.head_dim else 1
+
+
+def token_weights(g: torch.Tensor, cols: int) -> torch.Tensor:
+    """‖g_t‖² per token [N, cols] of a linear's output gradient [N, out] (per block of out/cols columns)."""
+    g = g.float()
+    return (g * g).reshape(g.shape[0], cols, -1).sum(2)
+
+
+def weighted_gram(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_t w_t x_t x_tᵀ of x [N, K] for weights w [N, cols]: [K, K], or [cols, K, K] per head."""
+    grams = [gram(x * w[:, j].sqrt()[:, None]) for j in range(w.shape[1])]
+    return grams[0] if len(grams) == 1 else torch.stack(grams)
+
+
+def loss_gradient(h: torch.Tensor, tokens: np.ndarray, norm: torch.nn.Module, head: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """∂(summed next-token NLL)/∂h for the last hidden states h [B, T, H] of token ids [B, T] (the final
+    norm, then the head [V, H]); one sample at a time, so the logits held are one sample's."""
+    out = torch.zeros_like(h, dtype=torch.float32)
+    for b in range(h.shape[0]):
+        x = h[b].detach().to(head.device, dtype).requires_grad_(True)
+        with torch.enable_grad():
+            logits = (norm(x) @ head.T)[:-1].float()
+            target = torch.from_numpy(np.asarray(tokens[b, 1:], dtype=np.int64)).to(logits.device)
+            torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+        assert x.grad is not None
+        out[b] = x.grad.float().cpu()
+    return out
+
+
+def layer_backward(forward: Callable[[torch.Tensor], torch.Tensor], layer: torch.nn.Module, x: torch.Tensor,
+                   grad: torch.Tensor, linears: dict[str, torch.nn.Module], cols: dict[str, int],
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The gradient at the layer's input x [B, T, H] given the one at its output, and each linear's token
+    weights [B·T, cols] (`forward` runs the layer on x as calibration does)."""
+    for p in layer.parameters():
+        p.requires_grad_(False)  # only the activations' gradients are wanted
+    weights: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def on_output(_m: torch.nn.Module, _args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            def on_grad(g: torch.Tensor) -> None:
+                weights[name] = token_weights(g.reshape(-1, g.shape[-1]), cols[name]).cpu()
+            out.register_hook(on_grad)
+        return on_output
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    x = x.detach().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            y = forward(x)
+            y.backward(grad.to(y.device, y.dtype))
+    finally:
+        for h in handles:
+            h.remove()
+    if missing := [n for n in linears if n not in weights]:
+        raise RuntimeError(f"no loss gradient reached {missing[:3]}")
+    assert x.grad is not None
+    return x.grad.float().cpu(), weights
