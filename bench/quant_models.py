@@ -53,9 +53,13 @@ from typing import Any
 from quant_quality import LLMC_PY, ROOT, run
 
 MODELS = ("builtin:tiny-qwen3-trained", "builtin:tiny-qwen3-code", "builtin:tiny-qwen3-zh")
-ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "gptq-clip": "qwen2om gptq --clip-search", "awq": "qwen2om awq",
-        "llmc": "llm-compressor gptq"}
-FLAGS = {"gptq-clip": ["--method", "gptq", "--clip-search"]}  # a row's calibrate flags (default: --method ROW)
+ROWS = {"rtn": "qwen2om rtn", "gptq": "qwen2om gptq", "gptq-clip": "qwen2om gptq --clip-search",
+        "gptq-fisher": "qwen2om gptq --hessian fisher", "gptq-fisher-heads": "qwen2om gptq --hessian fisher-heads",
+        "awq": "qwen2om awq", "llmc": "llm-compressor gptq"}
+FLAGS = {"gptq-clip": ["--method", "gptq", "--clip-search"],  # a row's calibrate flags (default: --method ROW)
+         "gptq-fisher": ["--method", "gptq", "--hessian", "fisher"],
+         "gptq-fisher-heads": ["--method", "gptq", "--hessian", "fisher-heads"]}
+GPTQ_ROWS = [r for r in ROWS if r.startswith("gptq")]  # each gets its paired difference from llm-compressor
 BLOCK_CHARS = 4096
 MAX_JSON = 64 << 20  # a recorded run is kilobytes; refuse reading something else whole
 
@@ -281,8 +285,9 @@ def verdict(model: str, summary: dict[str, dict[str, Any]]) -> tuple[str, bool |
             f"{theirs['mean']:+.4f}: {'yes' if ok else 'NO'}")
     if d := summary["gptq"].get("vs_llmc"):
         line += f" ({difference(d)})"
-    if d := summary.get("gptq-clip", {}).get("vs_llmc"):
-        line += f"\n{model}: qwen2om GPTQ --clip-search minus llm-compressor GPTQ: {difference(d)}"
+    for row in GPTQ_ROWS[1:]:
+        if d := summary.get(row, {}).get("vs_llmc"):
+            line += f"\n{model}: {ROWS[row]} minus llm-compressor GPTQ: {difference(d)}"
     return line, ok
 
 
@@ -303,7 +308,7 @@ def conclude(model: str, rows: list[str], results: dict[str, list[dict[str, Any]
     summary: dict[str, dict[str, Any]] = {row: {"error": errors[row]} if row in errors else summarise(results[row])
                                           for row in rows}
     if results.get("llmc") and "llmc" not in errors:
-        for row in ("gptq", "gptq-clip"):
+        for row in GPTQ_ROWS:
             if results.get(row) and row not in errors:
                 summary[row]["vs_llmc"] = paired(results[row], results["llmc"])
     line, ok = verdict(model, summary)
