@@ -152,7 +152,22 @@ def test_fisher_calibration_writes_another_checkpoint_and_records_it(hessian: st
         assert linears and all(r["error"] < r["rtn_error"] for r in linears), h
     config = json.loads((outs[hessian] / "config.json").read_text())
     assert config["quantization_config"]["qwen2om"]["hessian"] == hessian
+    assert json.loads((outs[hessian] / "calibration_report.json").read_text())["hessian"] == hessian
     plain, weighted = ({k: v for f in sorted(o.glob("*.safetensors")) for k, v in load_file(f).items()}
                        for o in (outs["plain"], outs[hessian]))
     moved = [n for n in plain if n.endswith("weight_packed") and not torch.equal(plain[n], weighted[n])]
     assert any(".layers.0." in n for n in moved) and any(".layers.1." in n for n in moved), moved
+
+
+@pytest.mark.parametrize("model,group", [("builtin:tiny-qwen3-moe", 32), ("builtin:tiny-qwen3-next", 16)])
+def test_fisher_heads_calibrates_moe_and_hybrid_models(model: str, group: int, tmp_path: Path) -> None:
+    """The backward pass runs through routed experts and linear attention too (experts keep the plain H;
+    the hybrid's gated q_proj, twice the heads' width, keeps one weight per token)."""
+    cfg = CalibrationConfig(method="gptq", hessian="fisher-heads", group_size=group, num_samples=4, seq_len=32,
+                            dataset="builtin:prose")
+    report = calibrate(model, tmp_path / "q", cfg).report
+    linears = [r for layer in report["layers"] for r in layer["linears"]]
+    assert report["hessian"] == "fisher-heads"
+    # An expert that no calibration token reached falls back to RTN, as with the plain H; nothing else does.
+    assert not [n for n in report["fell_back_to_rtn"] if ".experts." not in n]
+    assert linears and all(r["error"] <= r["rtn_error"] for r in linears if r["error"] is not None)

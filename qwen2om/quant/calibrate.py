@@ -652,7 +652,7 @@ def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path,
             report = {
                 "model": str(model), "scheme": W4A16.name, "method": cfg.method, "group_size": cfg.group_size,
                 "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
-                "compute_dtype": settings.dtype if data else None,
+                "compute_dtype": settings.dtype if data else None, "hessian": settings.hessian if data else None,
                 "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
                 "fell_back_to_rtn": [r.name for r in cal.reports if r.method == RTN.name and cal.method.needs_data],
                 "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,

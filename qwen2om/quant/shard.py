@@ -126,20 +126,21 @@ def solve_heads(job: Job, s: Settings, device: torch.device) -> Solved:
     each block solved alone; the errors are the blocks' summed, relative to the whole weight's."""
     heads = job.h.shape[0]
     rows = job.w.shape[0] // heads
-    parts = [solve(dataclasses.replace(job, name=f"{job.name} (head {i})", w=job.w[i * rows:(i + 1) * rows],
+    parts = [solve(dataclasses.replace(job, name=f"{job.name} head {i}", w=job.w[i * rows:(i + 1) * rows],
                                        h=job.h[i]), s, device) for i in range(heads)]
     dens = [float(((w @ h.float()) * w).sum(dtype=torch.float64))
             for w, h in ((job.w[i * rows:(i + 1) * rows].float(), job.h[i]) for i in range(heads))]
     total = sum(dens)
 
     def joined(errors: list[float | None]) -> float | None:
-        if any(e is None for e in errors):
+        if None in errors:
             return None
-        return sum(e * d for e, d in zip(errors, dens, strict=True)) / total if total > 0 else 0.0  # type: ignore[operator]
-    notes = [p.note for p in parts if p.note]
+        return sum(e * d for e, d in zip(errors, dens, strict=True) if e is not None) / total if total > 0 else 0.0
+    notes = [f"head {i}: {p.note}" for i, p in enumerate(parts) if p.note]
+    method = next((p.method for p in parts if p.note), parts[0].method)  # a head that fell back says so
     return Solved(job.name, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                  torch.cat([p.zp for p in parts]), "rtn" if any(p.method == "rtn" for p in parts) else parts[0].method,
-                  "; ".join(notes), joined([p.rtn_error for p in parts]), joined([p.error for p in parts]))
+                  torch.cat([p.zp for p in parts]), method, "; ".join(notes), joined([p.rtn_error for p in parts]),
+                  joined([p.error for p in parts]))
 
 
 @dataclasses.dataclass
