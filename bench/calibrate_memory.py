@@ -39,6 +39,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     default=[Case.parse(c) for c in ("0.6b:7", "0.6b:14", "0.6b:28")],
                     help="PRESET:LAYERS synthetic checkpoints (default 0.6b:7 0.6b:14 0.6b:28)")
     ap.add_argument("--method", default="gptq", choices=("gptq", "awq", "rtn"))
+    ap.add_argument("--hessian", default="plain", choices=("plain", "fisher", "fisher-heads"),
+                    help="gptq's Hessians (calibrate --hessian): fisher* add the loss gradients' pass")
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--dataset", default="builtin:prose")
@@ -52,18 +54,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def measure(case: Case, a: argparse.Namespace) -> dict[str, object]:
     ckpt = ensure_checkpoint(a.workdir, case)
-    out = a.workdir / "calibrate-memory" / f"{case.key}-{a.method}"
+    label = a.method if a.hessian == "plain" else f"{a.method}-{a.hessian}"
+    out = a.workdir / "calibrate-memory" / f"{case.key}-{label}"
     out.parent.mkdir(parents=True, exist_ok=True)
     qwen2om = Path(sys.executable).with_name("qwen2om")
     cmd = [str(qwen2om), "calibrate", str(ckpt), "-o", str(out), "--method", a.method,
-           "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len), "--dataset", a.dataset, "--force"]
-    log = out.parent / f"{case.key}-{a.method}.log"
+           "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len), "--dataset", a.dataset, "--force",
+           *(["--hessian", a.hessian] if a.hessian != "plain" else [])]
+    log = out.parent / f"{case.key}-{label}.log"
     job = Job("qwen2om", case, a.method, cmd, out, dict(os.environ), out.parent)
-    print(f"calibrating {case.key} ({a.method}) ...", flush=True)
+    print(f"calibrating {case.key} ({label}) ...", flush=True)
     code, wall, rss, anon, abort = run_measured(job, log, a)
     result: dict[str, object] = {
         "case": case.key, "layers": case.layers, "checkpoint_bytes": checkpoint_bytes(ckpt), "method": a.method,
-        "num_samples": a.num_samples, "seq_len": a.seq_len, "exit_code": code, "wall_s": round(wall, 1),
+        "hessian": a.hessian, "num_samples": a.num_samples, "seq_len": a.seq_len, "exit_code": code,
+        "wall_s": round(wall, 1),
         "peak_rss_bytes": rss, "peak_rss_anon_bytes": anon, "error": abort or (error_line(log) if code else "")}
     report = out / "calibration_report.json"
     if report.is_file():
@@ -89,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     results = [measure(case, a) for case in a.cases]
     first = results[0]
-    print(f"\nqwen2om calibrate --method {a.method}, {first['num_samples']} samples × {first['seq_len']} tokens "
-          f"of {a.dataset}\n")
+    print(f"\nqwen2om calibrate --method {a.method} --hessian {a.hessian}, {first['num_samples']} samples × "
+          f"{first['seq_len']} tokens of {a.dataset}\n")
     print(render(results))
     if a.json:
         a.json.write_text(json.dumps(results, indent=2) + "\n")

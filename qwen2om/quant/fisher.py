@@ -59,19 +59,26 @@ def weighted_gram(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return grams[0] if len(grams) == 1 else torch.stack(grams)
 
 
+LOGIT_TOKENS = 256  # positions whose logits are held at once: 256 × a 152k vocabulary is 155 MB in float32
+
+
 def loss_gradient(h: torch.Tensor, tokens: np.ndarray, norm: torch.nn.Module, head: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     """∂(summed next-token NLL)/∂h for the last hidden states h [B, T, H] of token ids [B, T] (the final
-    norm, then the head [V, H]); one sample at a time, so the logits held are one sample's."""
+    norm, then the head [V, H]). Each position's loss depends on its own hidden state only, so the
+    gradient is taken LOGIT_TOKENS positions at a time; the last position predicts nothing (gradient 0)."""
     out = torch.zeros_like(h, dtype=torch.float32)
+    t = h.shape[1]
     for b in range(h.shape[0]):
-        x = h[b].detach().to(head.device, dtype).requires_grad_(True)
-        with torch.enable_grad():
-            logits = (norm(x) @ head.T)[:-1].float()
-            target = torch.from_numpy(np.asarray(tokens[b, 1:], dtype=np.int64)).to(logits.device)
-            torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
-        assert x.grad is not None
-        out[b] = x.grad.float().cpu()
+        target = torch.from_numpy(np.asarray(tokens[b, 1:], dtype=np.int64)).to(head.device)
+        for i in range(0, t - 1, LOGIT_TOKENS):
+            j = min(i + LOGIT_TOKENS, t - 1)
+            x = h[b, i:j].detach().to(head.device, dtype).requires_grad_(True)
+            with torch.enable_grad():
+                logits = (norm(x) @ head.T).float()
+                torch.nn.functional.cross_entropy(logits, target[i:j], reduction="sum").backward()
+            assert x.grad is not None
+            out[b, i:j] = x.grad.float().cpu()
     return out
 
 
