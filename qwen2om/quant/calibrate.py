@@ -192,6 +192,7 @@ class Calibrator:
         self.slices = unfused_experts(ckpt)  # per-expert name → its slice of a fused expert stack
         self.weights: ActivationStore | None = None  # --hessian fisher: token weights per (layer, chunk)
         self.weight_layout: dict[int, list[tuple[str, int]]] = {}  # per layer: (linear, columns) in order
+        self.fisher_seconds: float | None = None
         self.names = expand_names(ckpt.names(), self.slices)  # what the output checkpoint holds
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -446,6 +447,7 @@ class Calibrator:
         (in a store: memory up to the activation budget, then disk). The workers end at layer 0."""
         layers = self.ckpt.dims.layers
         total = 2 * layers + 1
+        t0 = time.perf_counter()
         for i in range(layers):
             box = pool.share(self.layer_tensors(i))
             pool.each("fisher_forward", lambda k, box=box, i=i: (i, box), recover=False)
@@ -470,6 +472,8 @@ class Calibrator:
                     arr = torch.cat([w[n] for n in cols], 1) if cols else torch.zeros(0, 0)
                     self.weights.put(i * self.chunk_count + c, arr.numpy())
             self.progress("loss gradients (--hessian fisher): forward, head, backward", total - i, total)
+        self.fisher_seconds = round(time.perf_counter() - t0, 3)
+        self.log(f"--hessian {self.cfg.hessian}: the loss gradients' pass took {self.fisher_seconds:.1f} s")
 
     def token_weights(self, pool: Pool, index: int) -> list[Any] | None:
         """--hessian fisher: layer `index`'s token weights of every chunk, for `collect`, shared once."""
@@ -653,6 +657,7 @@ def calibrate_int4(model: str | Path, source: Path, ckpt: Checkpoint, out: Path,
                 "model": str(model), "scheme": W4A16.name, "method": cfg.method, "group_size": cfg.group_size,
                 "symmetric": cfg.symmetric, "dataset": data.report() if data else None,
                 "compute_dtype": settings.dtype if data else None, "hessian": settings.hessian if data else None,
+                **({"hessian_pass_seconds": cal.fisher_seconds} if cal.fisher_seconds is not None else {}),
                 "seconds": round(time.perf_counter() - t0, 2), "quantized": len(cal.reports),
                 "fell_back_to_rtn": [r.name for r in cal.reports if r.method == RTN.name and cal.method.needs_data],
                 "mean_rtn_error": float(np.mean([e[0] for e in errs])) if errs else None,
