@@ -9,8 +9,9 @@ squared gradient of the calibration text's next-token loss at the linear's outpu
 makes GPTQ minimise an estimate of the loss increase instead (an empirical Fisher approximation,
 diagonal over tokens, as GuidedQuant's). With `fisher-heads`, q/k/v_proj get one such Hessian per
 attention head (‖g‖² over the head's outputs only) and each head's rows are quantised against their
-own: GPTQ's rows are independent given H, so a block of rows may have its own. On the trained
-builtins this lowers the end-to-end KL against the float model by 5–12 % (docs/benchmarks.md).
+own: GPTQ's rows are independent given H, so a block of rows may have its own. On the three trained
+builtins the end-to-end KL against the float model falls by 7–12 % with `fisher-heads` and 2–10 % with
+`fisher` (docs/benchmarks.md), for ~2.8× the calibration time.
 
 The weights come from one extra pass before the calibration, over the same samples, on the float
 model, kept to calibrate's one-layer-at-a-time contract (qwen2om/quant/shard.py runs it):
