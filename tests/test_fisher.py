@@ -94,6 +94,7 @@ def transformers_weights(path: Path, samples: np.ndarray, hessian: str) -> dict[
 @pytest.mark.parametrize("model", MODELS)
 def test_token_weights_are_transformers_squared_output_gradients(model: str, monkeypatch) -> None:
     monkeypatch.setattr(fisher, "LOGIT_TOKENS", 5)  # the head's gradient in blocks of positions, as on a long window
+    monkeypatch.setattr(fisher, "HEAD_ROWS", 700)  # and of vocabulary rows, as for a large vocabulary
     path = resolve_model(model)
     vocab = Checkpoint(path).dims.vocab
     samples = np.random.default_rng(0).integers(0, vocab, size=(3, 24))

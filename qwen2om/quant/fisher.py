@@ -61,23 +61,33 @@ def weighted_gram(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 LOGIT_TOKENS = 256  # positions whose logits are held at once: 256 × a 152k vocabulary is 155 MB in float32
+HEAD_ROWS = 16384  # vocabulary rows of the head cast to the compute dtype at once (64 MB at hidden 1024)
 
 
 def loss_gradient(h: torch.Tensor, tokens: np.ndarray, norm: torch.nn.Module, head: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     """∂(summed next-token NLL)/∂h for the last hidden states h [B, T, H] of token ids [B, T] (the final
-    norm, then the head [V, H]). Each position's loss depends on its own hidden state only, so the
-    gradient is taken LOGIT_TOKENS positions at a time; the last position predicts nothing (gradient 0)."""
+    norm, then the head [V, H] as stored). Each position's loss depends on its own hidden state only, so
+    the gradient is taken LOGIT_TOKENS positions at a time; the last position predicts nothing (gradient
+    0). The logits' gradient is written out, softmax − one-hot, so that the head is only ever cast
+    HEAD_ROWS rows at a time (autograd would keep a compute-dtype copy of the whole head for backward)."""
     out = torch.zeros_like(h, dtype=torch.float32)
-    t = h.shape[1]
+    t, vocab = h.shape[1], head.shape[0]
+    blocks = [(v, min(v + HEAD_ROWS, vocab)) for v in range(0, vocab, HEAD_ROWS)]
     for b in range(h.shape[0]):
         target = torch.from_numpy(np.asarray(tokens[b, 1:], dtype=np.int64)).to(head.device)
         for i in range(0, t - 1, LOGIT_TOKENS):
             j = min(i + LOGIT_TOKENS, t - 1)
             x = h[b, i:j].detach().to(head.device, dtype).requires_grad_(True)
             with torch.enable_grad():
-                logits = (norm(x) @ head.T).float()
-                torch.nn.functional.cross_entropy(logits, target[i:j], reduction="sum").backward()
+                z = norm(x)
+            with torch.no_grad():
+                logits = torch.cat([(z @ head[v0:v1].to(dtype).T).float() for v0, v1 in blocks], 1)
+                g_logits = torch.softmax(logits, 1)
+                del logits
+                g_logits[torch.arange(j - i), target[i:j]] -= 1
+                g_z = sum(g_logits[:, v0:v1].to(dtype) @ head[v0:v1].to(dtype) for v0, v1 in blocks)
+            z.backward(g_z)
             assert x.grad is not None
             out[b, i:j] = x.grad.float().cpu()
     return out

@@ -400,7 +400,7 @@ class ShardWorker:
         """The summed next-token loss's gradient at every chunk's last hidden state (the final norm and the
         head, `HEAD_KEY` in `box`'s tensors)."""
         tensors = fetch(box)
-        head = tensors.pop(HEAD_KEY).to(self.device, self.runner.dtype)
+        head = tensors.pop(HEAD_KEY).to(self.device)  # as stored: cast a block of rows at a time
         self.runner.ckpt.tensors = tensors
         norm = self.family.norm(self.runner.weights(), self.family.names.final_norm, self.runner.d.rms_eps)
         self.runner.ckpt.tensors = {}
