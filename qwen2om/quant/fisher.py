@@ -15,11 +15,12 @@ builtins the end-to-end KL against the float model falls by 7–12 % with `fishe
 
 The weights come from one extra pass before the calibration, over the same samples, on the float
 model, kept to calibrate's one-layer-at-a-time contract (qwen2om/quant/shard.py runs it):
-forward through every layer, saving each layer's input (in an ActivationStore: memory up to the
-budget, the rest on disk); at the end the final norm and the LM head give the loss's gradient
-at the last hidden state; then backward, layer by layer from the last, each rebuilt from its float
-weights and its saved input, handing the gradient at its input to the layer before and keeping
-only the per-token weights (tokens × columns floats, a column per linear or per head). The
+forward through every layer, saving each layer's input (to disk, in the spill directory: layers ×
+tokens × hidden floats, which memory would otherwise hold for a whole model's depth); at the end the
+final norm and the LM head give the loss's gradient at the last hidden state; then backward, layer by
+layer from the last, each rebuilt from its float weights and its saved input, handing the gradient at
+its input to the layer before and keeping only the per-token weights (tokens × columns floats, a column
+per linear or per head). The
 calibration proper then runs as usual, each layer's Hessians weighted by those.
 """
 
@@ -56,11 +57,15 @@ def token_weights(g: torch.Tensor, cols: int) -> torch.Tensor:
 
 def weighted_gram(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Σ_t w_t x_t x_tᵀ of x [N, K] for weights w [N, cols]: [K, K], or [cols, K, K] per head."""
-    grams = [gram(x * w[:, j].sqrt()[:, None]) for j in range(w.shape[1])]
-    return grams[0] if len(grams) == 1 else torch.stack(grams)
+    if w.shape[1] == 1:
+        return gram(x * w.sqrt())
+    out = torch.empty(w.shape[1], x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+    for j in range(w.shape[1]):
+        out[j] = gram(x * w[:, j].sqrt()[:, None])
+    return out
 
 
-LOGIT_TOKENS = 256  # positions whose logits are held at once: 256 × a 152k vocabulary is 155 MB in float32
+LOGIT_TOKENS = 64  # positions whose logits are held at once: 64 × a 152k vocabulary is 39 MB in float32
 HEAD_ROWS = 16384  # vocabulary rows of the head cast to the compute dtype at once (64 MB at hidden 1024)
 
 

@@ -209,7 +209,9 @@ class ShardWorker:
         self.samples: dict[int, list[int]] = {}
         self.tokens: dict[int, np.ndarray] = {}  # token ids [B, T] per chunk: the loss of --hessian fisher
         self.level: dict[int, int] = {}
-        self.saved = ActivationStore(settings.budget, self.runner.spill_dir)  # --hessian fisher: layer inputs
+        # --hessian fisher: every layer's input, kept for the backward pass on disk (budget 0): in memory they
+        # would grow with the model's depth
+        self.saved = ActivationStore(0, self.runner.spill_dir)
         self.grads = ActivationStore(settings.budget, self.runner.spill_dir)  # and the loss gradient at one
         self.count = 0  # chunks in the whole calibration
         self.layer: Layer | None = None
