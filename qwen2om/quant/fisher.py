@@ -20,8 +20,8 @@ tokens × hidden floats, which memory would otherwise hold for a whole model's d
 final norm and the LM head give the loss's gradient at the last hidden state; then backward, layer by
 layer from the last, each rebuilt from its float weights and its saved input, handing the gradient at
 its input to the layer before and keeping only the per-token weights (tokens × columns floats, a column
-per linear or per head). The
-calibration proper then runs as usual, each layer's Hessians weighted by those.
+per linear or per head). The calibration proper then runs as usual, each layer's Hessians weighted by
+those.
 """
 
 from __future__ import annotations
