@@ -49,6 +49,11 @@ class TensorNames:
     FUSED_SUFFIXES: ClassVar[tuple[str, ...]] = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
     ANY_EXPERT: ClassVar[re.Pattern[str]] = re.compile(r"\.mlp\.experts\.(\d+\.|gate_up_proj$|down_proj$)")
 
+    def head_count(self, name: str, dims: ModelDims) -> int:
+        """How many attention heads a weight's output rows are (q_proj: heads, k/v_proj: kv heads), else 0."""
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        return {"q_proj": dims.heads, "k_proj": dims.kv_heads, "v_proj": dims.kv_heads}.get(module, 0)
+
     def is_expert_tensor(self, name: str) -> bool:
         """Any stored tensor of the routed experts: one expert's (a weight, its scales) or a fused stack."""
         return bool(self.ANY_EXPERT.search(name))

@@ -56,7 +56,7 @@ def worker_weights(path: Path, samples: np.ndarray, hessian: str) -> dict[str, t
     for i in reversed(range(layers)):
         prefix = f"{family.names.layer(i)}."
         names = [n for n in ckpt.names() if n.startswith(prefix) and n.endswith("_proj.weight")]
-        cols = {n: columns(n, ckpt.shape(n)[0], ckpt.dims, hessian) for n in names}
+        cols = {n: columns(n, ckpt.shape(n)[0], ckpt.dims, hessian, family.names) for n in names}
         per_chunk = worker.fisher_backward(i, tensors(prefix), cols)
         out |= {n: torch.cat([per_chunk[c][n] for c in range(len(samples))]) for n in names}
     assert all(worker.level[c] == 0 for c in range(len(samples))), "the chunks are back at layer 0"
@@ -67,7 +67,8 @@ def worker_weights(path: Path, samples: np.ndarray, hessian: str) -> dict[str, t
 
 def transformers_weights(path: Path, samples: np.ndarray, hessian: str) -> dict[str, torch.Tensor]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    dims = Checkpoint(path).dims
+    ckpt = Checkpoint(path)
+    dims, names = ckpt.dims, family_of(ckpt.arch).names
     grads: dict[str, list[torch.Tensor]] = {}
     handles = []
     for name, m in model.named_modules():
@@ -86,7 +87,7 @@ def transformers_weights(path: Path, samples: np.ndarray, hessian: str) -> dict[
     out = {}
     for key, gs in grads.items():
         g = torch.cat(gs)  # one entry per sample, in order
-        k = columns(key, g.shape[1], dims, hessian)
+        k = columns(key, g.shape[1], dims, hessian, names)
         out[key] = (g * g).reshape(g.shape[0], k, -1).sum(2)
     return out
 

@@ -462,7 +462,8 @@ class Calibrator:
         self.weights = ActivationStore(self.cfg.activation_budget)
         for i in reversed(range(layers)):
             names = [n for n in per_layer[i] if n in targets and not self.family.names.parse_expert(n)]
-            cols = {n: fisher_columns(n, self.shape(n)[0], self.ckpt.dims, self.cfg.hessian) for n in names}
+            cols = {n: fisher_columns(n, self.shape(n)[0], self.ckpt.dims, self.cfg.hessian, self.family.names)
+                    for n in names}
             box = pool.share(self.layer_tensors(i))
             answers = pool.each("fisher_backward", lambda k, box=box, i=i, cols=cols: (i, box, cols),
                                 recover=False)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from qwen2om.arch import ModelDims
+from qwen2om.families import TensorNames
 from qwen2om.quant.gptq import gram
 
 PLAIN = "plain"
@@ -39,13 +40,12 @@ HESSIANS = (PLAIN, "fisher", "fisher-heads")
 HEAD_KEY = "__lm_head__"  # the LM head's weight in the tensors sent for the loss (the embedding's when tied)
 
 
-def columns(name: str, width: int, dims: ModelDims, hessian: str) -> int:
+def columns(name: str, width: int, dims: ModelDims, hessian: str, names: TensorNames) -> int:
     """How many token weights a linear gets: one per head for q/k/v_proj under `fisher-heads` (when its
     output is exactly the heads: the hybrids' gated q_proj is twice as wide and keeps one), else one."""
     if hessian != "fisher-heads":
         return 1
-    module = name.rsplit(".", 2)[-2]
-    heads = {"q_proj": dims.heads, "k_proj": dims.kv_heads, "v_proj": dims.kv_heads}.get(module)
+    heads = names.head_count(name, dims)
     return heads if heads and width == heads * dims.head_dim else 1
 
 
