@@ -266,6 +266,13 @@ class ShardWorker:
             self.at = (index, 0)
         return self.layer
 
+    def _final_norm(self, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The final norm built from its tensors, on this worker's device."""
+        self.runner.ckpt.tensors = tensors
+        norm = self.family.norm(self.runner.weights(), self.family.names.final_norm, self.runner.d.rms_eps)
+        self.runner.ckpt.tensors = {}
+        return norm.to(self.device)
+
     def _input(self, c: int) -> torch.Tensor:
         return torch.from_numpy(np.array(self.store.get(c)))
 
@@ -364,11 +371,7 @@ class ShardWorker:
 
     def head(self, box: list[Any]) -> dict[Node, Stats]:
         """The final norm's outputs' Σxxᵀ and token count (the LM head's GPTQ Hessian), as tree nodes."""
-        tensors = fetch(box)
-        self.runner.ckpt.tensors = tensors
-        norm = self.family.norm(self.runner.weights(), self.family.names.final_norm, self.runner.d.rms_eps)
-        norm = norm.to(self.device)
-        self.runner.ckpt.tensors = {}
+        norm = self._final_norm(fetch(box))
 
         def chunk(c: int) -> Stats:
             with torch.no_grad():
@@ -401,12 +404,9 @@ class ShardWorker:
     def fisher_head(self, box: list[Any]) -> int:
         """The summed next-token loss's gradient at every chunk's last hidden state (the final norm and the
         head, `HEAD_KEY` in `box`'s tensors)."""
-        tensors = fetch(box)
+        tensors = dict(fetch(box))
         head = tensors.pop(HEAD_KEY).to(self.device)  # as stored: cast a block of rows at a time
-        self.runner.ckpt.tensors = tensors
-        norm = self.family.norm(self.runner.weights(), self.family.names.final_norm, self.runner.d.rms_eps)
-        self.runner.ckpt.tensors = {}
-        norm = norm.to(self.device)
+        norm = self._final_norm(tensors)
         for p in norm.parameters():
             p.requires_grad_(False)
         for c in self.chunks():
