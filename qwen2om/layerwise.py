@@ -14,7 +14,10 @@ numerics the exported graph has, except that attention runs through PyTorch's fu
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import platform
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +30,30 @@ from qwen2om.arch import ArchSpec, ModelDims
 from qwen2om.checkpoint import Checkpoint
 from qwen2om.families import Layer, family_of
 from qwen2om.weights import Weights
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system, on glibc (elsewhere nothing).
+
+    PyTorch frees each layer's activations and gradients to glibc's heap, which keeps the pages and,
+    with sizes that differ from step to step, fragments them, so the resident size creeps up layer after
+    layer without a byte leaking. Measured with `calibrate --hessian fisher` at Qwen3-0.6B shapes: RssAnon
+    rose ~10 MB a layer through the backward pass (0.47 → 0.77 GiB over 28 layers; 0.37 GiB and flat after
+    a trim) and peak RSS was 0.14 GiB higher at 28 layers than at 7. A trim after each layer's step keeps
+    memory independent of depth, for a few milliseconds.
+    """
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 class ActivationStore:

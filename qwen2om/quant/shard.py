@@ -19,18 +19,19 @@ worker, or how many, so any split of the chunks gives the same sums and the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import resource
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import torch
 
 from qwen2om.families import Layer, family_of
-from qwen2om.layerwise import ActivationStore, LayerRunner, LayerTensors
+from qwen2om.layerwise import ActivationStore, LayerRunner, LayerTensors, release_freed_memory
 from qwen2om.quant.awq import clip_quantize
 from qwen2om.quant.experts import ExpertCollector, set_expert_weight
 from qwen2om.quant.fisher import HEAD_KEY, PLAIN, layer_backward, loss_gradient, weighted_gram
@@ -193,6 +194,22 @@ def fetch(box: list[Any]) -> Any:
     return ray.get(value)
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _trimmed(step: Callable[P, R]) -> Callable[P, R]:
+    """A worker's layer step, after which the heap's freed pages go back to the system: without it a
+    worker's resident memory creeps up with the number of layers (qwen2om.layerwise.release_freed_memory)."""
+    @functools.wraps(step)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return step(*args, **kwargs)
+        finally:
+            release_freed_memory()
+    return run
+
+
 class ShardWorker:
     """A worker's chunks and the layer it is on. Chunk c holds samples `self.samples[c]` as one
     [B, T, H] float32 array, at layer `self.level[c]` (the layer whose input it is)."""
@@ -276,6 +293,7 @@ class ShardWorker:
     def _input(self, c: int) -> torch.Tensor:
         return torch.from_numpy(np.array(self.store.get(c)))
 
+    @_trimmed
     def collect(self, index: int, box: list[Any], names: list[str], experts: bool, whole: bool,
                 weights_box: list[Any] | None = None) -> tuple[dict[Node, Stats], dict[str, str]]:
         """Layer `index`'s statistics over this worker's chunks, as tree nodes; and which linears share
@@ -346,9 +364,11 @@ class ShardWorker:
             nodes |= range_sums(a, b, self.count, chunk)
         return {k: {n: t.cpu() for n, t in v.items()} for k, v in nodes.items()}, aliases
 
+    @_trimmed
     def solve(self, jobs: list[Job]) -> list[Solved]:
         return [solve(j, self.s, self.device) for j in jobs]
 
+    @_trimmed
     def advance(self, index: int, box: list[Any], result_box: list[Any]) -> int:
         """The chunks at layer `index` through it with the result applied; returns how many moved."""
         layer = self._layer(index, box)
@@ -369,6 +389,7 @@ class ShardWorker:
                 moved += 1
         return moved
 
+    @_trimmed
     def head(self, box: list[Any]) -> dict[Node, Stats]:
         """The final norm's outputs' Σxxᵀ and token count (the LM head's GPTQ Hessian), as tree nodes."""
         norm = self._final_norm(fetch(box))
@@ -384,6 +405,7 @@ class ShardWorker:
         return {k: {n: t.cpu() for n, t in v.items()} for k, v in nodes.items()}
 
     # -- --hessian fisher: the loss gradients' pass (qwen2om/quant/fisher.py) ----------------------
+    @_trimmed
     def fisher_forward(self, index: int, box: list[Any]) -> int:
         """The chunks at layer `index` through its float weights, each input kept for the backward pass."""
         layer = self._layer(index, box, float_weights=True)
@@ -401,6 +423,7 @@ class ShardWorker:
                 moved += 1
         return moved
 
+    @_trimmed
     def fisher_head(self, box: list[Any]) -> int:
         """The summed next-token loss's gradient at every chunk's last hidden state (the final norm and the
         head, `HEAD_KEY` in `box`'s tensors)."""
@@ -413,6 +436,7 @@ class ShardWorker:
             self.grads.put(c, loss_gradient(self._input(c), self.tokens[c], norm, head, self.runner.dtype).numpy())
         return len(self.chunks())
 
+    @_trimmed
     def fisher_backward(self, index: int, box: list[Any], cols: dict[str, int],
                         ) -> dict[int, dict[str, torch.Tensor]]:
         """Layer `index` backward over every chunk from its saved input: the gradient handed down to the
