@@ -48,7 +48,7 @@ class CalibrationConfig:
     # GPTQ: "plain" (every token's xxᵀ alike, as llm-compressor), or weighted by the calibration loss's
     # squared gradient at each linear's output: "fisher", "fisher-heads" (q/k/v per attention head). One
     # more forward and backward of the model first (qwen2om/quant/fisher.py); fisher-heads: KL −7…−12 % on
-    # the trained builtins, calibration ~2.8× as long (docs/benchmarks.md, issue 28).
+    # the trained builtins, calibration ~3× as long (docs/benchmarks.md, issue 28).
     hessian: str = "plain"
     activation_budget: int = 2 << 30  # bytes of activations kept in memory before spilling to disk
     # The layers' forward passes: float32, or bfloat16 / float16 (matmuls ~1.8x faster on CPUs with bf16

@@ -11,7 +11,7 @@ diagonal over tokens, as GuidedQuant's). With `fisher-heads`, q/k/v_proj get one
 attention head (‖g‖² over the head's outputs only) and each head's rows are quantised against their
 own: GPTQ's rows are independent given H, so a block of rows may have its own. On the three trained
 builtins the end-to-end KL against the float model falls by 7–12 % with `fisher-heads` and 2–10 % with
-`fisher` (docs/benchmarks.md), for ~2.8× the calibration time.
+`fisher` (docs/benchmarks.md), for ~3× the calibration time.
 
 The weights come from one extra pass before the calibration, over the same samples, on the float
 model, kept to calibrate's one-layer-at-a-time contract (qwen2om/quant/shard.py runs it):
