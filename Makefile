@@ -6,7 +6,11 @@ OUT ?= out/tiny-qwen3
 PROMPT ?= Once upon a time
 
 # -v: every test's name as it starts (no silent stretch); the 15 slowest listed at the end.
-PYTEST := $(VENV)/bin/pytest -v --durations=15
+# -n: test files spread over JOBS worker processes (pytest-xdist), each file whole on one worker so its
+# module fixtures are built once. One process kept one of two cores busy on average (user+sys ≈ wall).
+# JOBS: the CPUs, at most 4 (each worker builds the session's shared conversions again). JOBS=0: one process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST := $(VENV)/bin/pytest -v --durations=15 -n $(JOBS) --dist loadfile
 # Other float kernels for the tests whose outcome rests on rounding (marker `numerics`): ATen's
 # portable non-SIMD kernels, MKL's conditional-reproducibility code path, one thread for torch and
 # for ONNX Runtime. A test that only passes on one CPU kind fails here too.

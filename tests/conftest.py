@@ -16,6 +16,10 @@ from qwen2om.srcroot import leave_source_root
 # `python -m pytest` from the repository root puts the root on sys.path, where kernels/ would stand in
 # for Hugging Face's `kernels` package (qwen2om/srcroot.py); `pytest` alone does not.
 leave_source_root()
+# pytest-xdist starts its workers with COLUMNS=80 set. rich fixes a Console's width when it is made with
+# COLUMNS set, so qwen2om.cli's consoles would stay 80 wide and the tests that widen them
+# (monkeypatch.setenv("COLUMNS", ...)) would see their tables wrapped. A plain run has no COLUMNS.
+os.environ.pop("COLUMNS", None)
 
 SMALL = ["max_seq_len=256", "prefill_chunk=32"]
 # llm-compressor's W4A16 output for builtin:tiny-qwen3 (bench/llmcompressor_w4a16.py), embedding left out.
