@@ -22,6 +22,11 @@ def chunk_stats(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
              "n": torch.tensor(c + 1, dtype=torch.int64)} for c in range(count)]
 
 
+def fresh(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A chunk's stats as `range_sums` takes them: new tensors each call (it sums into them)."""
+    return {k: v.clone() for k, v in stats.items()}
+
+
 def tree(stats: list[dict[str, torch.Tensor]], lo: int, size: int) -> dict[str, torch.Tensor] | None:
     """The canonical tree written out directly: node (lo, size) = left half + right half."""
     if lo >= len(stats):
@@ -47,7 +52,7 @@ def test_every_split_joins_to_the_canonical_trees_bits(count: int) -> None:
         for _ in range(4):
             nodes = {}
             for a, b in split(count, parts, rng):
-                nodes |= range_sums(a, b, count, lambda c: stats[c])
+                nodes |= range_sums(a, b, count, lambda c: fresh(stats[c]))
             got = join(nodes, count)
             assert got is not None and torch.equal(got["h"], want["h"]) and int(got["n"]) == count * (count + 1) // 2
     if count >= 8:  # the order matters at all (else this shows nothing): a left-to-right sum differs
@@ -69,7 +74,7 @@ def test_blocks_tile_a_range_with_aligned_nodes() -> None:
 
 def test_a_missing_chunk_is_named() -> None:
     stats = chunk_stats(0, 6)
-    nodes = range_sums(0, 3, 6, lambda c: stats[c])
+    nodes = range_sums(0, 3, 6, lambda c: fresh(stats[c]))
     with pytest.raises(ValueError, match="chunk 3"):
         join(nodes, 6)
 

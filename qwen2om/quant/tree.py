@@ -63,26 +63,41 @@ def add(x: Stats | None, y: Stats | None) -> Stats | None:
     return {k: x[k] + y[k] if k in x and k in y else x.get(k, y.get(k)) for k in {*x, *y}}
 
 
+def add_into(x: Stats | None, y: Stats | None) -> Stats | None:
+    """`add(x, y)` written into x's tensors (the same bits: one IEEE addition each), so a join holds two
+    sets of sums, not three. Only for sums nothing else holds: the partial sums of `node_sums`."""
+    if x is None or y is None:
+        return x if y is None else y
+    for k, t in y.items():
+        if k in x:
+            x[k] += t
+        else:
+            x[k] = t
+    return x
+
+
 def node_sums(node: Node, count: int, chunk_stats: Iterator[Stats]) -> Stats | None:
     """The sum of one tree node from its chunks' stats, given in chunk order (a binary counter: at most
-    log₂(size) partial sums held at once, each pair joined exactly where the tree joins it)."""
+    log₂(size) partial sums held at once, each pair joined exactly where the tree joins it, in place: the
+    chunk stats are made for this sum alone)."""
     lo, size = node
     stack: list[tuple[int, Stats]] = []  # (size, sum) of completed aligned sub-nodes, left to right
     for _ in range(max(0, min(lo + size, count) - lo)):
         s = next(chunk_stats)
         width = 1
         while stack and stack[-1][0] == width:
-            s = add(stack.pop()[1], s)  # type: ignore[assignment]
+            s = add_into(stack.pop()[1], s)  # type: ignore[assignment]
             width *= 2
         stack.append((width, s))
     total: Stats | None = None
     while stack:  # a node cut short by the last chunk: its right parts are empty, joined from the right
-        total = add(stack.pop()[1], total)
+        total = add_into(stack.pop()[1], total)
     return total
 
 
 def range_sums(a: int, b: int, count: int, stats: Callable[[int], Stats]) -> dict[Node, Stats]:
-    """Chunk range [a, b)'s tree nodes, each summed (`stats(chunk)` computes one chunk's)."""
+    """Chunk range [a, b)'s tree nodes, each summed (`stats(chunk)` computes one chunk's, in new tensors:
+    they are summed in place)."""
     out: dict[Node, Stats] = {}
     for node in blocks(a, b, count):
         lo, size = node
