@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,9 +66,20 @@ def _building(dest: Path) -> Iterator[None]:
     except ImportError:  # Windows: no lock; a lost race rebuilds the same files
         yield
         return
-    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    path = dest.parent / f".{dest.name}.lock"
+    # Never followed, truncated or waited on: a symlink there could name any file, a FIFO would block the open.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise Qwen2omError(f"{path}: cannot take the builtin cache's lock ({e.strerror}): remove it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Qwen2omError(f"{path}: the builtin cache's lock is not a regular file: remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file closes
         yield
+    finally:
+        os.close(fd)
 
 
 def _cached(dest: Path, build: Callable[[], object]) -> Path:
@@ -101,9 +113,9 @@ def resolve_model(model: str | Path) -> Path:
         return Path(text)
     name = text[len(PREFIX):]
     from qwen2om.fixtures import trained
-    from qwen2om.fixtures.tiny import TINY, write_tiny_checkpoint
+    from qwen2om.fixtures.tiny import write_tiny_checkpoint
 
-    if name not in TINY and name not in trained.CORPORA and name not in FP8_BUILTINS:
+    if name not in builtin_names():
         raise Qwen2omError(f"unknown builtin model {name!r} (known: {', '.join(builtin_names())})")
     dest = builtin_dir(name)
     if name in FP8_BUILTINS:

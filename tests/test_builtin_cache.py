@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from qwen2om import builtin
+from qwen2om.errors import Qwen2omError
 from qwen2om.fixtures.trained import copy_trained_checkpoint
 
 NAME = "tiny-qwen3-trained"  # a copy of committed files: milliseconds once the lock is free
@@ -21,8 +25,7 @@ def test_a_second_process_waits_for_the_build_and_keeps_it(tmp_path: Path, monke
     monkeypatch.setenv("QWEN2OM_CACHE", str(tmp_path / "cache"))
     dest = builtin.builtin_dir(NAME)
     with builtin._building(dest):  # this process is building it
-        other = subprocess.Popen([sys.executable, "-c", RESOLVE], stdout=subprocess.PIPE, text=True,
-                                 env=os.environ.copy())
+        other = subprocess.Popen([sys.executable, "-c", RESOLVE], stdout=subprocess.PIPE, text=True)
         assert other.stdout is not None
         assert other.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # without the lock the other process copies the files in well under this
@@ -47,3 +50,22 @@ def test_a_built_builtin_is_used_without_the_lock(tmp_path: Path, monkeypatch) -
         assert not lock.exists()
     finally:
         dest.parent.chmod(0o755)
+
+
+def test_a_lock_path_that_is_not_a_plain_file_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+    """A symlink there is not followed (its target is not truncated), a FIFO does not block the open."""
+    monkeypatch.setenv("QWEN2OM_CACHE", str(tmp_path / "cache"))
+    dest = builtin.builtin_dir(NAME)
+    dest.parent.mkdir(parents=True)
+    lock = dest.parent / f".{dest.name}.lock"
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    lock.symlink_to(outside)
+    with pytest.raises(Qwen2omError, match=re.escape(str(lock))):
+        builtin.resolve_model(f"builtin:{NAME}")
+    assert outside.read_text() == "keep me" and not dest.exists()
+    lock.unlink()
+    os.mkfifo(lock)
+    with pytest.raises(Qwen2omError, match="not a regular file|cannot take"):
+        builtin.resolve_model(f"builtin:{NAME}")
+    assert not dest.exists()
